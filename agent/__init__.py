@@ -1,0 +1,10 @@
+"""sentineld.agent: lives in the training process; records, keeps, exports and captures.
+
+Importing it pulls in torch, h5py (lazily, when a capture is written) and prometheus-client, but
+never apprise or watchdog.
+"""
+
+from .config import AgentConfig
+from .watch import Watch, attach
+
+__all__ = ["attach", "Watch", "AgentConfig"]

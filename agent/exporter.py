@@ -1,0 +1,111 @@
+"""Prometheus export of the agent's latest step, read at scrape time.
+
+A custom collector reads a few attributes the training thread sets per step, so a step costs
+attribute stores, not prometheus-client calls (prometheus client_python "custom collectors").
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from sentineld.records import StepRecord
+
+__all__ = ["Latest", "start_exporter"]
+
+log = logging.getLogger("sentineld.agent")
+
+
+@dataclass
+class Latest:
+    """What the exporter shows; mutated by the training thread, read by the scrape thread."""
+
+    record: StepRecord | None = None
+    steps_total: int = 0
+    nonfinite_total: int = 0
+    skipped_total: int = 0
+    captures_total: int = 0
+    enabled: bool = True
+    layers: dict[str, Any] = field(default_factory=dict)
+
+
+class _Collector:
+    def __init__(self, latest: Latest, run: str, rank: int) -> None:
+        self.latest = latest
+        self.labels = [run, str(rank)]
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked collector: names are known only at scrape time
+
+    def collect(self) -> Iterator[Metric]:
+        lt, lab = self.latest, self.labels
+        r = lt.record
+
+        def gauge(name: str, doc: str, value: float | None) -> Iterator[Metric]:
+            if value is None:
+                return
+            g = GaugeMetricFamily(name, doc, labels=["run", "rank"])
+            g.add_metric(lab, float(value))
+            yield g
+
+        def counter(name: str, doc: str, value: int) -> Metric:
+            c = CounterMetricFamily(name.removesuffix("_total"), doc, labels=["run", "rank"])
+            c.add_metric(lab, value)
+            return c
+
+        yield from gauge("sentineld_agent_enabled", "1 while the agent records", 1 if lt.enabled else 0)
+        yield counter("sentineld_train_steps_total", "Optimizer steps recorded", lt.steps_total)
+        yield counter("sentineld_nonfinite_steps_total", "Steps with nan/inf loss or grad norm",
+                      lt.nonfinite_total)
+        yield counter("sentineld_optimizer_skipped_steps_total", "Steps GradScaler skipped",
+                      lt.skipped_total)
+        yield counter("sentineld_captures_total", "Capture files written", lt.captures_total)
+        if r is not None:
+            yield from gauge("sentineld_step", "Last optimizer step recorded", r.step)
+            yield from gauge("sentineld_train_loss", "Loss of the last step", r.loss)
+            yield from gauge("sentineld_grad_norm", "Global L2 gradient norm", r.grad_norm)
+            yield from gauge("sentineld_learning_rate", "Learning rate of group 0", r.lr)
+            yield from gauge("sentineld_step_duration_seconds", "Wall time of the last step", r.step_s)
+            yield from gauge("sentineld_last_step_timestamp_seconds", "Unix time of the last step",
+                             r.time_s)
+            yield from gauge("sentineld_loss_scale", "GradScaler scale", r.loss_scale)
+        for metric, attr, doc in (
+            ("sentineld_layer_grad_norm", "grad_norm", "Per-module gradient L2 norm (sampled)"),
+            ("sentineld_layer_update_ratio", "update_ratio", "Per-module ||dw||/||w|| (sampled)"),
+            ("sentineld_layer_dead_ratio", "dead_fraction", "Per-module dead unit share (sampled)"),
+        ):
+            g = GaugeMetricFamily(metric, doc, labels=["run", "rank", "module"])
+            for name, stats in lt.layers.items():
+                v = getattr(stats, attr, None)
+                if v is not None and not (isinstance(v, float) and math.isnan(v) and attr != "grad_norm"):
+                    g.add_metric(lab + [name], float(v))
+            if g.samples:
+                yield g
+
+
+def start_exporter(latest: Latest, run: str, rank: int, port: int, addr: str) -> tuple[Any, int]:
+    """Serve ``latest`` on ``http://addr:port/metrics``; return ``(server, bound_port)``.
+
+    ``port=-1`` binds any free port. A port in use falls back to a free one with one warning
+    (two runs on one host must not kill each other's metrics).
+
+    Raises:
+        OSError: nothing could be bound at all.
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(latest, run, rank))  # type: ignore[arg-type]
+    want = 0 if port == -1 else port
+    try:
+        server, _ = start_http_server(want, addr=addr, registry=registry)
+    except OSError as exc:
+        if want == 0:
+            raise
+        server, _ = start_http_server(0, addr=addr, registry=registry)
+        log.warning("sentineld: metrics port %d is busy (%s); serving on %d instead",
+                    want, exc, server.server_port)
+    return server, int(server.server_port)

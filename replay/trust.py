@@ -1,0 +1,89 @@
+"""Deciding whether code named by a run may be imported, and importing it.
+
+A capture never holds code. The run's ``run.json`` names a recipe (``module:function``) in the
+run's working directory, and the replay imports it: that executes the file. It is imported only
+when ``run.json``, the capture and every file of the recipe module under the working directory are
+owned by the current user (or root) and writable by no one else; ``trust=True`` overrides with a
+warning (for a colleague's run you have read).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import stat
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["UntrustedError", "RecipeError", "check_owned", "load_recipe_factory"]
+
+log = logging.getLogger("sentineld.replay")
+
+
+class UntrustedError(Exception):
+    """A file that would be executed (or that names code) is owned or writable by another user."""
+
+
+class RecipeError(Exception):
+    """The recipe cannot be imported or does not build a Recipe."""
+
+
+def check_owned(path: Path) -> None:
+    """Raise :class:`UntrustedError` unless ``path`` is owned by us (or root) and not group/other-writable."""
+    st = path.stat()
+    me = os.getuid()
+    if st.st_uid not in (me, 0):
+        raise UntrustedError(f"{path} is owned by uid {st.st_uid}, not by you (uid {me}); replay "
+                             "would execute code it names. Inspect it, then pass --trust")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UntrustedError(f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
+                             f"another user could have changed it. Run `chmod go-w {path}` or pass --trust")
+
+
+def _module_files(cwd: Path, module: str) -> list[Path]:
+    parts = module.split(".")
+    files = []
+    for i in range(1, len(parts) + 1):
+        base = cwd.joinpath(*parts[:i])
+        init = base / "__init__.py"
+        if init.is_file():
+            files.append(init)
+        elif i == len(parts) and base.with_suffix(".py").is_file():
+            files.append(base.with_suffix(".py"))
+    return files
+
+
+def load_recipe_factory(recipe: str, cwd: str, *, trust: bool, named_by: list[Path]) -> Callable[[], Any]:
+    """Import ``module:function`` from ``cwd`` after the ownership checks; return the function.
+
+    Args:
+        recipe: ``"module:function"``.
+        cwd: the run's working directory (put first on ``sys.path``).
+        trust: skip the checks (logged as a warning).
+        named_by: files that name this code (run.json, the capture): checked too.
+
+    Raises:
+        UntrustedError: a checked file is not safely ours.
+        RecipeError: the module or function cannot be imported.
+    """
+    mod_name, _, fn_name = recipe.partition(":")
+    cwd_path = Path(cwd)
+    files = _module_files(cwd_path, mod_name) + list(named_by)
+    if trust:
+        log.warning("sentineld: --trust given: importing %s without ownership checks", recipe)
+    else:
+        for f in files:
+            check_owned(f)
+    if str(cwd_path) not in sys.path:
+        sys.path.insert(0, str(cwd_path))
+    try:
+        module = importlib.import_module(mod_name)
+        fn = getattr(module, fn_name)
+    except Exception as exc:  # noqa: BLE001 - user code can raise anything on import
+        raise RecipeError(f"cannot import recipe {recipe!r} from {cwd}: {type(exc).__name__}: {exc}. "
+                          "Run the replay where the training code is, or pass --recipe") from None
+    if not callable(fn):
+        raise RecipeError(f"recipe {recipe!r} is not callable")
+    return fn

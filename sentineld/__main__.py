@@ -1,0 +1,5 @@
+"""``python -m sentineld`` runs the command line."""
+
+from sentineld.cli import main
+
+main()

@@ -1,0 +1,311 @@
+"""The capture file: everything needed to rebuild and re-run the steps around an incident (HDF5).
+
+Layout (schema version 1)::
+
+    /                      attrs: schema_version, run_id, rank, trigger, first_step (N),
+                           snapshot_step (S), created_s, message, torch_version
+    /snapshot/tree         JSON string: {"model", "optimizer", "scheduler", "scaler"} state dicts,
+                           tensors replaced by {"t": i}
+    /snapshot/<i>          tensor i (attr torch_dtype)
+    /steps/<step>/batch_tree, /steps/<step>/batch/<i>     the batch of that step
+    /steps/<step>/rng_meta, /steps/<step>/rng/<name>      RNG states at that step's first forward
+    /records               JSON string: list of StepRecord dicts for S..N (and any after N)
+    /grads/<param name>    gradients at N as the agent saw them before the optimizer step (optional)
+
+Snapshot S is the state *before* step S ran, so re-executing steps S..N-1 gives the state before N.
+Nothing is pickled: trees are JSON and tensors are datasets. A capture is written to
+``<name>.h5.tmp``, fsynced and renamed, so a capture on disk is whole or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from sentineld.treecodec import TreeCodecError, decode, encode
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "CaptureError",
+    "CaptureStep",
+    "write_capture",
+    "Capture",
+    "open_capture",
+    "capture_name",
+]
+
+SCHEMA_VERSION = 1
+
+
+class CaptureError(Exception):
+    """A capture cannot be read: truncated, not HDF5, unknown schema, or missing a step.
+
+    The message says what is wrong and what to do; the CLI maps it to exit code 2.
+    """
+
+
+@dataclass(frozen=True)
+class CaptureStep:
+    """One recorded step: its index, batch (tree of CPU tensors) and RNG state (see sentineld.rng)."""
+
+    step: int
+    batch: Any
+    rng: Mapping[str, Any] | None
+
+
+def capture_name(rank: int, step: int, trigger: str) -> str:
+    """File name of a capture: ``capture-rank<R>-step<N>-<trigger>.h5`` (sorts by rank, then step)."""
+    return f"capture-rank{rank}-step{step:09d}-{trigger}.h5"
+
+
+def _torch():
+    import torch  # noqa: PLC0415 - the daemon lists captures without importing torch
+
+    return torch
+
+
+_NUMPY_UNSUPPORTED = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+
+
+def _tensor_to_numpy(t: Any) -> tuple[np.ndarray, str]:
+    torch = _torch()
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    dtype = str(t.dtype).removeprefix("torch.")
+    if dtype in _NUMPY_UNSUPPORTED:
+        t = t.view(getattr(torch, _NUMPY_UNSUPPORTED[dtype]))
+    return t.contiguous().numpy(), dtype
+
+
+def _numpy_to_tensor(arr: np.ndarray, dtype: str) -> Any:
+    torch = _torch()
+    t = torch.from_numpy(np.array(arr))  # copy: h5py buffers are not writable tensors
+    if dtype in _NUMPY_UNSUPPORTED:
+        t = t.view(getattr(torch, dtype))
+    return t
+
+
+def _write_tree(group: Any, tree: Any) -> None:
+    tensors: list[Any] = []
+    group.create_dataset("tree", data=json.dumps(encode(tree, tensors)))
+    for i, t in enumerate(tensors):
+        arr, dtype = _tensor_to_numpy(t)
+        ds = group.create_dataset(str(i), data=arr)
+        ds.attrs["torch_dtype"] = dtype
+
+
+def _read_tree(group: Any) -> Any:
+    tree = json.loads(_read_str(group["tree"]))
+
+    def tensor(i: int) -> Any:
+        ds = group[str(i)]
+        return _numpy_to_tensor(ds[()], str(ds.attrs["torch_dtype"]))
+
+    return decode(tree, tensor)
+
+
+def _read_str(ds: Any) -> str:
+    val = ds[()]
+    return val.decode() if isinstance(val, bytes) else str(val)
+
+
+def write_capture(
+    path: str | os.PathLike[str],
+    *,
+    run_id: str,
+    rank: int,
+    trigger: str,
+    first_step: int,
+    snapshot_step: int,
+    snapshot: Mapping[str, Any],
+    steps: Sequence[CaptureStep],
+    records: Iterable[Mapping[str, Any]],
+    grads: Mapping[str, Any] | None = None,
+    message: str = "",
+) -> Path:
+    """Write a capture atomically (temp name, fsync, rename) and return its final path.
+
+    Args:
+        snapshot: ``{"model": state_dict, "optimizer": state_dict, "scheduler": ..., "scaler": ...}``
+            holding CPU tensors; the state before ``snapshot_step`` ran.
+        steps: the steps ``snapshot_step..first_step`` (at least), with batches and RNG states.
+        records: per-step scalar records (JSON-ready dicts).
+        grads: parameter name -> gradient tensor at ``first_step`` (optional evidence).
+
+    Raises:
+        OSError: the file cannot be written (disk full, permissions); the temp file is removed.
+        TreeCodecError: a state dict holds an object that has no JSON form.
+    """
+    import h5py  # noqa: PLC0415
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with h5py.File(tmp, "w") as f:
+            f.attrs.update(
+                schema_version=SCHEMA_VERSION, run_id=run_id, rank=rank, trigger=trigger,
+                first_step=first_step, snapshot_step=snapshot_step, created_s=time.time(),
+                message=message, torch_version=str(_torch().__version__),
+            )
+            _write_tree(f.create_group("snapshot"), dict(snapshot))
+            sg = f.create_group("steps")
+            for st in steps:
+                g = sg.create_group(str(st.step))
+                _write_tree(g.create_group("batch"), st.batch)
+                if st.rng is not None:
+                    from sentineld.rng import rng_to_json  # noqa: PLC0415
+
+                    meta, arrays = rng_to_json(dict(st.rng))
+                    g.create_dataset("rng_meta", data=json.dumps(meta))
+                    rg = g.create_group("rng")
+                    for name, arr in arrays.items():
+                        rg.create_dataset(name, data=arr)
+            f.create_dataset("records", data=json.dumps(list(records)))
+            if grads:
+                gg = f.create_group("grads")
+                for name, t in grads.items():
+                    arr, dtype = _tensor_to_numpy(t)
+                    gg.create_dataset(name, data=arr).attrs["torch_dtype"] = dtype
+            f.flush()
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+class Capture:
+    """An open capture (read-only). Use :func:`open_capture`; close with ``with`` or :meth:`close`.
+
+    Attributes:
+        path, run_id, rank, trigger, first_step (N), snapshot_step (S), message, schema_version.
+    """
+
+    def __init__(self, path: Path, h5: Any) -> None:
+        self.path = path
+        self._f = h5
+        a = h5.attrs
+        try:
+            self.schema_version = int(a["schema_version"])
+            self.run_id = str(a["run_id"])
+            self.rank = int(a["rank"])
+            self.trigger = str(a["trigger"])
+            self.first_step = int(a["first_step"])
+            self.snapshot_step = int(a["snapshot_step"])
+            self.message = str(a.get("message", ""))
+            self.created_s = float(a.get("created_s", 0.0))
+        except (KeyError, ValueError, TypeError) as exc:
+            raise CaptureError(f"{path}: not a sentineld capture (missing attribute {exc}); "
+                               "pass a capture-*.h5 written by sentineld.agent") from None
+
+    def __enter__(self) -> "Capture":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the HDF5 file."""
+        self._f.close()
+
+    @property
+    def steps(self) -> list[int]:
+        """Recorded step indices, ascending."""
+        return sorted(int(k) for k in self._f["steps"].keys())
+
+    def snapshot(self) -> dict[str, Any]:
+        """The state dicts before ``snapshot_step`` (CPU tensors)."""
+        return self._guard(lambda: _read_tree(self._f["snapshot"]), "snapshot")
+
+    def step(self, step: int) -> CaptureStep:
+        """Batch and RNG state of ``step``.
+
+        Raises:
+            CaptureError: the step is not in this capture (the message lists the steps that are).
+        """
+        if str(step) not in self._f["steps"]:
+            have = self.steps
+            span = f"{have[0]}..{have[-1]}" if have else "none"
+            raise CaptureError(f"step {step} is not in capture {self.path.name}; it holds steps {span}")
+
+        def load() -> CaptureStep:
+            g = self._f["steps"][str(step)]
+            batch = _read_tree(g["batch"])
+            rng = None
+            if "rng_meta" in g:
+                from sentineld.rng import rng_from_json  # noqa: PLC0415
+
+                meta = json.loads(_read_str(g["rng_meta"]))
+                rng = rng_from_json(meta, {k: v[()] for k, v in g["rng"].items()})
+            return CaptureStep(step=step, batch=batch, rng=rng)
+
+        return self._guard(load, f"step {step}")
+
+    def records(self) -> list[dict[str, Any]]:
+        """Per-step scalar records stored with the capture."""
+        return self._guard(lambda: json.loads(_read_str(self._f["records"])), "records")
+
+    def grads(self) -> dict[str, Any]:
+        """Gradients at ``first_step`` as recorded, by parameter name ({} if not stored)."""
+        if "grads" not in self._f:
+            return {}
+        return self._guard(lambda: {k: _numpy_to_tensor(v[()], str(v.attrs["torch_dtype"]))
+                                    for k, v in self._f["grads"].items()}, "grads")
+
+    def _guard(self, fn: Any, what: str) -> Any:
+        try:
+            return fn()
+        except CaptureError:
+            raise
+        except (KeyError, OSError, ValueError, TypeError, TreeCodecError, json.JSONDecodeError) as exc:
+            raise CaptureError(f"{self.path}: {what} is unreadable ({type(exc).__name__}: {exc}); "
+                               "the capture is damaged, use another capture of this run") from None
+
+
+def open_capture(path: str | os.PathLike[str]) -> Capture:
+    """Open a capture for reading and check its schema version.
+
+    Raises:
+        CaptureError: missing, not HDF5, truncated, or written by an unknown schema version.
+    """
+    import h5py  # noqa: PLC0415
+
+    path = Path(path)
+    if not path.is_file():
+        raise CaptureError(f"{path}: no such capture file")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:
+        raise CaptureError(f"{path}: cannot open as HDF5 ({exc}); the file is truncated or not a "
+                           "capture. Captures are written atomically, so a damaged one was altered "
+                           "after writing: use another capture of this run") from None
+    try:
+        cap = Capture(path, f)
+        if cap.schema_version != SCHEMA_VERSION:
+            raise CaptureError(f"{path}: capture schema version {cap.schema_version} is not "
+                               f"supported (this sentineld reads version {SCHEMA_VERSION}); "
+                               "replay it with the sentineld version that wrote it")
+        if "steps" not in f or "snapshot" not in f:
+            raise CaptureError(f"{path}: capture lacks its snapshot or steps group; it is damaged")
+    except BaseException:
+        f.close()
+        raise
+    return cap

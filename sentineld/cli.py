@@ -1,0 +1,305 @@
+"""The ``sentineld`` command line (click).
+
+Exit codes (documented in README):
+    0  success; for ``replay``, a reproduced step (localized, or every value finite)
+    1  ``replay``: the step did not reproduce; ``demo``: no verdict arrived in time
+    2  bad input: unknown run, missing or corrupt capture, missing step, bad config, untrusted
+       or unbuildable recipe
+    3  ``status``/``stop``: no daemon is running
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .config import ConfigError, default_state_dir, load_config
+
+__all__ = ["main", "cli", "replay_main"]
+
+EXIT_OK, EXIT_NOT_REPRODUCED, EXIT_BAD_INPUT, EXIT_NOT_RUNNING = 0, 1, 2, 3
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
+    click.echo(f"sentineld: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group()
+@click.version_option(package_name="sentineld")
+def cli() -> None:
+    """sentineld: a watchdog for PyTorch training runs."""
+
+
+# --------------------------------------------------------------------- daemon
+def _daemon_options(fn: Any) -> Any:
+    opts = [
+        click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+                     help="TOML config file (default $SENTINELD_CONFIG or ~/.config/sentineld/config.toml)."),
+        click.option("--runs-dir", type=click.Path(file_okay=False), default=None,
+                     help="Parent of run directories (default $SENTINELD_RUNS_DIR or the user state dir)."),
+        click.option("--state-dir", type=click.Path(file_okay=False), default=None,
+                     help="Outbox, replays, pidfile and log (default $SENTINELD_STATE_DIR or ~/.local/state/sentineld)."),
+        click.option("--notify", multiple=True, help="apprise URL to notify (repeatable)."),
+        click.option("--alertmanager-url", default=None, help="Forward alerts to this Alertmanager (v2 API)."),
+        click.option("--metrics-port", type=int, default=None, help="Daemon metrics port (9490; 0 = off)."),
+        click.option("--no-replay", is_flag=True, help="Do not replay new captures."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def _load(config_path: str | None, runs_dir: str | None, state_dir: str | None, notify: tuple[str, ...],
+          alertmanager_url: str | None, metrics_port: int | None, no_replay: bool) -> Any:
+    try:
+        return load_config(config_path, runs_dir=runs_dir, state_dir=state_dir,
+                           notify=notify or None, alertmanager_url=alertmanager_url,
+                           metrics_port=metrics_port, replay=False if no_replay else None)
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
+@cli.command()
+@_daemon_options
+@click.option("--foreground", is_flag=True, help="Run in the foreground (for systemd and other service managers).")
+@click.option("-v", "--verbose", is_flag=True)
+def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, notify: tuple[str, ...],
+          alertmanager_url: str | None, metrics_port: int | None, no_replay: bool, foreground: bool,
+          verbose: bool) -> None:
+    """Start the daemon (in the background unless --foreground)."""
+    cfg = _load(config_path, runs_dir, state_dir, notify, alertmanager_url, metrics_port, no_replay)
+    from .daemon import AlreadyRunning, Daemon, daemon_pid  # noqa: PLC0415
+    from .delivery import valid_url  # noqa: PLC0415
+
+    bad = [i for i, u in enumerate(cfg.notify) if not valid_url(u)]
+    if bad:
+        _fail(f"--notify URL #{bad[0] + 1} is not a URL apprise understands (see apprise's URL list)")
+    if foreground:
+        _setup_logging(verbose)
+        try:
+            Daemon(cfg).run()
+        except AlreadyRunning as exc:
+            _fail(str(exc), EXIT_OK)
+        return
+    cfg.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    pid = daemon_pid(cfg.state_dir)
+    if pid is not None:
+        click.echo(f"sentineld daemon already running (pid {pid}), state dir {cfg.state_dir}")
+        return
+    args = [sys.executable, "-m", "sentineld", "start", "--foreground",
+            "--runs-dir", str(cfg.runs_dir), "--state-dir", str(cfg.state_dir)]
+    if config_path:
+        args += ["--config", config_path]
+    for u in notify:
+        args += ["--notify", u]
+    if alertmanager_url:
+        args += ["--alertmanager-url", alertmanager_url]
+    if metrics_port is not None:
+        args += ["--metrics-port", str(metrics_port)]
+    if no_replay:
+        args.append("--no-replay")
+    log_path = cfg.state_dir / "daemon.log"
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    proc = subprocess.Popen(args, stdout=fd, stderr=fd, stdin=subprocess.DEVNULL, start_new_session=True)
+    os.close(fd)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            _fail(f"daemon exited at start (code {proc.returncode}); see {log_path}")
+        if daemon_pid(cfg.state_dir) == proc.pid and (cfg.state_dir / "status.json").exists():
+            click.echo(f"sentineld daemon started (pid {proc.pid}) watching {cfg.runs_dir}; log {log_path}")
+            return
+        time.sleep(0.1)
+    _fail(f"daemon did not report ready in 15 s; see {log_path}")
+
+
+@cli.command()
+@click.option("--state-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--grace-period", type=float, default=10.0, show_default=True,
+              help="Seconds to wait after SIGTERM before SIGKILL.")
+def stop(state_dir: str | None, grace_period: float) -> None:
+    """Stop the daemon (SIGTERM, then SIGKILL after the grace period)."""
+    from .daemon import daemon_pid  # noqa: PLC0415
+
+    sd = Path(state_dir) if state_dir else load_config().state_dir
+    pid = daemon_pid(sd)
+    if pid is None or pid <= 0:
+        _fail(f"no daemon running with state dir {sd}", EXIT_NOT_RUNNING)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_period
+    while time.monotonic() < deadline:
+        if daemon_pid(sd) is None:
+            click.echo(f"sentineld daemon (pid {pid}) stopped")
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    click.echo(f"sentineld daemon (pid {pid}) did not stop in {grace_period:g} s; killed")
+
+
+@cli.command()
+@click.option("--state-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def status(state_dir: str | None, as_json: bool) -> None:
+    """Show whether the daemon runs, what it watches, alerts sent and replays run."""
+    from .daemon import daemon_pid, read_status  # noqa: PLC0415
+
+    sd = Path(state_dir) if state_dir else _safe_state_dir()
+    pid = daemon_pid(sd) if sd.exists() else None
+    st = read_status(sd) if sd.exists() else None
+    if as_json:
+        click.echo(json.dumps({"running": pid is not None, "pid": pid, "status": st}, indent=1))
+    elif pid is None:
+        click.echo(f"sentineld daemon: not running (state dir {sd})"
+                   + ("; stale status from pid %s" % st.get("pid") if st else ""))
+    else:
+        from rich.console import Console  # noqa: PLC0415
+        from rich.table import Table  # noqa: PLC0415
+
+        con = Console()
+        con.print(f"sentineld daemon: running (pid {pid}), runs dir {st.get('runs_dir') if st else '?'}")
+        if st:
+            con.print(f"runs watched: {st['runs_watched']}  alerts sent: {st['alerts_sent']}  "
+                      f"pending: {st['alerts_pending']}  replays run: {st['replays_run']}  "
+                      f"notify: {', '.join(st['notify']) or 'log only'}")
+            t = Table("run", "ranks", "last step", "active signatures", "captures", "error")
+            for r in st["runs"]:
+                t.add_row(r["run_id"], ",".join(map(str, r["ranks"])), str(r["last_step"]),
+                          ", ".join(r["active"]) or "-", str(r["captures"]), (r["error"] or "")[:60])
+            con.print(t)
+    sys.exit(EXIT_OK if pid is not None else EXIT_NOT_RUNNING)
+
+
+def _safe_state_dir() -> Path:
+    try:
+        return load_config().state_dir
+    except ConfigError:
+        return default_state_dir()
+
+
+@cli.command()
+@click.option("--runs-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--json", "as_json", is_flag=True)
+def runs(runs_dir: str | None, as_json: bool) -> None:
+    """List run directories with their last step, captures and state (read from disk)."""
+    from .rundir import RunDirError, list_captures, read_run_meta  # noqa: PLC0415
+    from .runwatch import RunWatch  # noqa: PLC0415
+
+    rd = Path(runs_dir) if runs_dir else load_config().runs_dir
+    rows = []
+    for d in sorted(p for p in rd.iterdir() if p.is_dir()) if rd.is_dir() else []:
+        rw = RunWatch(d)
+        rw.poll()
+        try:
+            meta = read_run_meta(d)
+            err = None
+        except RunDirError as exc:
+            meta, err = None, str(exc)
+        nonfinite = sum(1 for q in rw.records.values() for r in q if r.nonfinite)
+        rows.append({"run_id": meta.run_id if meta else d.name, "dir": str(d), "ranks": sorted(rw.tails),
+                     "last_step": max(rw.last_step.values(), default=None),
+                     "state": ",".join(sorted(set(rw.ended.values()))) or ("running" if rw.tails else "-"),
+                     "nonfinite_steps_in_window": nonfinite,
+                     "captures": [p.name for *_x, p in list_captures(d)], "error": err or rw.error})
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    t = Table("run", "ranks", "last step", "state", "captures", "error", title=f"runs in {rd}")
+    for r in rows:
+        t.add_row(r["run_id"], ",".join(map(str, r["ranks"])), str(r["last_step"]), r["state"],
+                  str(len(r["captures"])), (r["error"] or "")[:60])
+    Console().print(t)
+
+
+# --------------------------------------------------------------------- replay
+@cli.command()
+@click.argument("run")
+@click.option("--step", type=int, default=None, help="Step to explain (default: the first non-finite one).")
+@click.option("--json", "as_json", is_flag=True, help="Print the verdict as JSON on stdout.")
+@click.option("--recipe", default=None, help="module:function building the Recipe (overrides run.json).")
+@click.option("--capture", type=click.Path(dir_okay=False), default=None, help="Use this capture file.")
+@click.option("--trust", is_flag=True, help="Import the recipe even if another user could have written it.")
+@click.option("--runs-dir", type=click.Path(file_okay=False), default=None)
+def replay(run: str, step: int | None, as_json: bool, recipe: str | None, capture: str | None,
+           trust: bool, runs_dir: str | None) -> None:
+    """Rebuild RUN (an id or a directory) before the offending step and name where it broke."""
+    _replay(run, step, as_json, recipe, capture, trust, runs_dir)
+
+
+def _replay(run: str, step: int | None, as_json: bool, recipe: str | None, capture: str | None,
+            trust: bool, runs_dir: str | None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="sentineld: %(message)s", stream=sys.stderr)
+    from .capture import CaptureError  # noqa: PLC0415
+    from .rundir import RunDirError, resolve_run  # noqa: PLC0415
+
+    try:
+        from sentineld.replay import ReplayError, render_text, replay_run  # noqa: PLC0415
+        from sentineld.replay.trust import RecipeError, UntrustedError  # noqa: PLC0415
+
+        rd = runs_dir
+        if rd is None:
+            try:
+                rd = str(load_config().runs_dir)
+            except ConfigError:
+                rd = None
+        run_dir = resolve_run(run, rd)
+        report = replay_run(run_dir, step, recipe=recipe, trust=trust, capture=capture)
+    except (RunDirError, CaptureError) as exc:
+        _fail(str(exc))
+    except Exception as exc:  # noqa: BLE001
+        if type(exc).__name__ in ("ReplayError", "RecipeError", "UntrustedError"):
+            _fail(str(exc))
+        raise
+    if as_json:
+        click.echo(report.to_json())
+    else:
+        click.echo(render_text(report))
+    sys.exit(EXIT_OK if report.reproduced else EXIT_NOT_REPRODUCED)
+
+
+def replay_main() -> None:
+    """Entry point of ``python -m sentineld.replay``."""
+    replay.main(prog_name="python -m sentineld.replay")
+
+
+# ----------------------------------------------------------------------- demo
+@cli.command()
+@click.option("--fault", type=click.Choice(["zero-std", "lr", "none"]), default="zero-std",
+              show_default=True, help="The planted fault.")
+@click.option("--runs-dir", type=click.Path(file_okay=False), default=None,
+              help="Where the demo run goes (default: a new temp dir).")
+@click.option("--notify", multiple=True, help="Also send the alerts to this apprise URL (repeatable).")
+@click.option("--epochs", type=int, default=3, show_default=True)
+@click.option("--timeout", "timeout_s", type=float, default=180.0, show_default=True,
+              help="Seconds to wait for the alert and the replay verdict.")
+def demo(fault: str, runs_dir: str | None, notify: tuple[str, ...], epochs: int, timeout_s: float) -> None:
+    """Train on scikit-learn's handwritten digits with a planted fault, watched by the daemon."""
+    from .demo import run_demo  # noqa: PLC0415
+
+    sys.exit(run_demo(fault, runs_dir, notify, epochs, timeout_s))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,465 @@
+"""The daemon: watch run directories, alert on signatures, deliver, and replay captures.
+
+Threads, each waiting on the stop event with a timeout (never a bare sleep):
+
+- main: on file events (watchdog) or every ``poll_s``, polls each run (:class:`RunWatch`),
+  evaluates signatures over each rank's window, enqueues alerts and recovery notices in the
+  outbox, queues replays for new captures, and writes ``status.json``;
+- delivery: sends due outbox notifications (retry with backoff);
+- replay: runs one replay subprocess at a time and enqueues its verdict.
+
+Exactly-once per incident comes from the outbox's deterministic ids plus saved per-run progress
+(stream offsets, active signatures, captures seen) and per-capture replay records.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from contextlib import ExitStack
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+from filelock import FileLock, Timeout
+
+from .config import DaemonConfig
+from .delivery import LOG_TARGET, deliver_due, redact_url
+from .messages import alert_text, recovery_text, replay_failed_text, verdict_text
+from .outbox import Notification, Outbox, notification_id
+from .replayer import ReplayOutcome, run_replay_subprocess
+from .rundir import make_private_dir
+from .runwatch import Active, RunWatch, load_progress, merge_verdicts, save_progress, transitions
+
+__all__ = ["Daemon", "AlreadyRunning", "read_status", "daemon_pid"]
+
+log = logging.getLogger("sentineld.daemon")
+
+#: Seconds between signature evaluations of a run that wrote nothing new (for ``stalled``).
+IDLE_EVAL_S = 10.0
+
+
+class AlreadyRunning(Exception):
+    """Another daemon holds this state dir's lock (the message gives its pid)."""
+
+
+def daemon_pid(state_dir: Path) -> int | None:
+    """Pid of the daemon holding ``state_dir``'s lock, or None when none runs (stale pidfile)."""
+    lock = FileLock(str(state_dir / "daemon.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        try:
+            return int((state_dir / "daemon.pid").read_text().strip())
+        except (OSError, ValueError):
+            return -1
+    lock.release()
+    return None
+
+
+def read_status(state_dir: Path) -> dict[str, Any] | None:
+    """The daemon's last ``status.json``, or None."""
+    try:
+        return json.loads((state_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class Daemon:
+    """One daemon over ``config.runs_dir``. Use :meth:`run` (blocks until :meth:`stop`).
+
+    Args:
+        config: :class:`DaemonConfig`.
+        clock: wall clock in seconds (injectable for tests of timing logic).
+    """
+
+    def __init__(self, config: DaemonConfig, clock: Callable[[], float] = time.time) -> None:
+        self.cfg = config
+        self.clock = clock
+        self.stop_event = threading.Event()
+        self.wake = threading.Event()
+        self.state_dir = make_private_dir(config.state_dir)
+        self.outbox = Outbox(self.state_dir / "outbox")
+        self.progress_dir = make_private_dir(self.state_dir / "runs")
+        self.replays_dir = make_private_dir(self.state_dir / "replays")
+        self.runs: dict[str, RunWatch] = {}
+        self.replay_queue: queue.Queue[tuple[RunWatch, Path]] = queue.Queue()
+        self.started_s = clock()
+        self.alerts_sent = 0
+        self.replays_run = 0
+        self.delivery_failures = 0
+        self.metrics_port: int | None = None
+        self._dirty: set[Path] = set()
+        self._dirty_lock = threading.Lock()
+        self._last_eval: dict[str, float] = {}
+        self._sig_config = self._signature_config()
+        self._am: Any = None
+        self._metrics: dict[str, Any] = {}
+        self._queued: set[str] = set()
+        self._delivery_wake = threading.Event()
+
+    # ------------------------------------------------------------------ setup
+    def _signature_config(self) -> Any:
+        from .signatures import SignatureConfig  # noqa: PLC0415
+
+        return SignatureConfig.from_mapping(dict(self.cfg.signatures))
+
+    def _start_metrics(self) -> Any:
+        if self.cfg.metrics_port == 0:
+            return None
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server  # noqa: PLC0415
+
+        reg = CollectorRegistry()
+        m = self._metrics
+        m["runs"] = Gauge("sentineld_daemon_runs_watched", "Run directories watched", registry=reg)
+        m["active"] = Gauge("sentineld_signature_active", "1 while a signature fires",
+                            ["run", "signature", "severity"], registry=reg)
+        m["sent"] = Counter("sentineld_alerts_sent", "Notifications delivered", ["signature"], registry=reg)
+        m["failures"] = Counter("sentineld_alert_delivery_failures", "Failed delivery attempts", registry=reg)
+        m["pending"] = Gauge("sentineld_alerts_pending", "Notifications not yet delivered", registry=reg)
+        m["replays"] = Counter("sentineld_replays", "Replays finished", ["result"], registry=reg)
+        port = 0 if self.cfg.metrics_port == -1 else self.cfg.metrics_port
+        try:
+            server, _ = start_http_server(port, addr=self.cfg.metrics_addr, registry=reg)
+        except OSError as exc:
+            log.warning("daemon metrics off: cannot bind %s:%d (%s)", self.cfg.metrics_addr, port, exc)
+            return None
+        self.metrics_port = int(server.server_port)
+        return server
+
+    def _observer(self) -> Any:
+        from watchdog.events import FileSystemEventHandler  # noqa: PLC0415
+        from watchdog.observers import Observer  # noqa: PLC0415
+        from watchdog.observers.polling import PollingObserver  # noqa: PLC0415
+
+        daemon = self
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event: Any) -> None:
+                for p in (getattr(event, "src_path", None), getattr(event, "dest_path", None)):
+                    if p:
+                        daemon._mark_dirty(Path(os.fsdecode(p)))
+
+        obs = PollingObserver(timeout=self.cfg.poll_s) if self.cfg.polling_observer else Observer()
+        obs.schedule(Handler(), str(self.cfg.runs_dir), recursive=True)
+        obs.start()
+        return obs
+
+    def _mark_dirty(self, path: Path) -> None:
+        if path.name.endswith(".tmp"):
+            return
+        try:
+            rel = path.relative_to(self.cfg.runs_dir)
+        except ValueError:
+            return
+        if rel.parts:
+            with self._dirty_lock:
+                self._dirty.add(self.cfg.runs_dir / rel.parts[0])
+            self.wake.set()
+
+    # -------------------------------------------------------------- lifetime
+    def stop(self, *_: Any) -> None:
+        """Ask every loop to finish (safe from a signal handler)."""
+        self.stop_event.set()
+        self.wake.set()
+
+    def run(self, install_signals: bool = True) -> None:
+        """Take the lock, start the threads and loop until :meth:`stop` or SIGTERM/SIGINT.
+
+        Raises:
+            AlreadyRunning: another daemon uses this state dir.
+        """
+        lock = FileLock(str(self.state_dir / "daemon.lock"))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            pid = daemon_pid(self.state_dir)
+            raise AlreadyRunning(f"a sentineld daemon (pid {pid}) already runs with state dir "
+                                 f"{self.state_dir}; `sentineld stop` stops it") from None
+        pidfile = self.state_dir / "daemon.pid"
+        with ExitStack() as stack:
+            stack.callback(lock.release)
+            pidfile.write_text(f"{os.getpid()}\n")
+            stack.callback(lambda: pidfile.unlink(missing_ok=True))
+            if install_signals and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, self.stop)
+                signal.signal(signal.SIGINT, self.stop)
+            make_private_dir(self.cfg.runs_dir)
+            server = self._start_metrics()
+            if server is not None:
+                stack.callback(server.server_close)
+                stack.callback(server.shutdown)
+            obs = self._observer()
+            stack.callback(obs.join, 5)
+            stack.callback(obs.stop)
+            if self.cfg.alertmanager_url:
+                from .alertmanager import ActiveAlerts  # noqa: PLC0415
+
+                self._am = ActiveAlerts(self.cfg.alertmanager_url)
+            urls = ", ".join(redact_url(u) for u in self.cfg.notify) or "none (notifications log only)"
+            log.info("sentineld daemon %d watching %s; state %s; notify: %s", os.getpid(),
+                     self.cfg.runs_dir, self.state_dir, urls)
+            threads = [threading.Thread(target=self._guard, args=(fn,), name=name, daemon=True)
+                       for name, fn in (("delivery", self._delivery_loop), ("replay", self._replay_loop))]
+            for t in threads:
+                t.start()
+            self._guard(self._main_loop)
+            self.stop_event.set()
+            self.wake.set()
+            for t in threads:
+                t.join(timeout=10)
+            self._write_status()
+            log.info("sentineld daemon %d stopped", os.getpid())
+
+    def _guard(self, fn: Callable[[], None]) -> None:
+        while not self.stop_event.is_set():
+            try:
+                fn()
+                return
+            except Exception:  # noqa: BLE001 - a bug in one loop must not end the watch
+                log.exception("daemon loop %s failed; restarting it in 1 s", fn.__name__)
+                self.stop_event.wait(1.0)
+
+    # ------------------------------------------------------------- main loop
+    def _main_loop(self) -> None:
+        last_scan = 0.0
+        while not self.stop_event.is_set():
+            now = self.clock()
+            full = now - last_scan >= self.cfg.poll_s
+            with self._dirty_lock:
+                dirty, self._dirty = self._dirty, set()
+            if full:
+                last_scan = now
+                dirty |= self._scan_runs_dir()
+            for run_dir in sorted(dirty):
+                self._process(run_dir)
+            if full:
+                self._idle_evaluations()
+                self._write_status()
+            self.wake.wait(min(self.cfg.poll_s, 0.5))
+            self.wake.clear()
+
+    def _scan_runs_dir(self) -> set[Path]:
+        try:
+            return {p for p in self.cfg.runs_dir.iterdir() if p.is_dir()}
+        except OSError as exc:
+            log.warning("cannot list runs dir %s: %s", self.cfg.runs_dir, exc)
+            return set()
+
+    def _watch(self, run_dir: Path) -> RunWatch:
+        key = str(run_dir)
+        rw = self.runs.get(key)
+        if rw is None:
+            rw = RunWatch(run_dir, window=self.cfg.window)
+            saved = load_progress(self._progress_path(run_dir))
+            if saved:
+                rw.restore(saved)
+            self.runs[key] = rw
+        return rw
+
+    def _progress_path(self, run_dir: Path) -> Path:
+        return self.progress_dir / f"{notification_id(str(run_dir))}.json"
+
+    def _process(self, run_dir: Path) -> None:
+        if not run_dir.is_dir():
+            return
+        rw = self._watch(run_dir)
+        had_error = rw.error
+        new, caps = rw.poll()
+        if rw.error and rw.error != had_error:
+            log.warning("run %s: %s (still watching the other runs)", run_dir.name, rw.error)
+        if new:
+            self._evaluate(rw)
+        for cap in caps:
+            rw.captures_seen.add(cap.name)
+        if self.cfg.replay and rw.meta is not None:
+            # Also after a restart: a capture seen before whose replay never finished runs again.
+            for name in sorted(rw.captures_seen):
+                cap = run_dir / name
+                key = str(cap)
+                if key not in self._queued and cap.exists() and not self._replay_record(rw, cap).exists():
+                    self._queued.add(key)
+                    self.replay_queue.put((rw, cap))
+        if new or caps:
+            save_progress(self._progress_path(run_dir), rw)
+
+    def _idle_evaluations(self) -> None:
+        now = self.clock()
+        for rw in list(self.runs.values()):
+            if rw.meta is None or not rw.tails or len(rw.ended) >= len(rw.tails):
+                continue
+            if now - self._last_eval.get(str(rw.run_dir), 0.0) >= IDLE_EVAL_S:
+                self._evaluate(rw)
+
+    def _evaluate(self, rw: RunWatch) -> None:
+        from .signatures import evaluate  # noqa: PLC0415
+
+        now = self.clock()
+        self._last_eval[str(rw.run_dir)] = now
+        per_rank = {}
+        for rank, window in rw.records.items():
+            if not window:
+                continue
+            now_s = None if rank in rw.ended else now
+            per_rank[rank] = evaluate(list(window), self._sig_config, now_s=now_s,
+                                      num_classes=rw.meta.num_classes if rw.meta else None)
+        if not per_rank:
+            return
+        current = merge_verdicts(per_rank)
+        fired, cleared = transitions(rw.active.keys(), current)
+        for a in fired:
+            rw.active[a.key] = asdict(a)
+            self._alert(rw, a)
+        last = max(rw.last_step.values(), default=0)
+        for key in cleared:
+            a = Active(**rw.active.pop(key))
+            self._recovery(rw, a, last)
+        if fired or cleared:
+            save_progress(self._progress_path(rw.run_dir), rw)
+            self._update_active_gauge(rw)
+
+    def _update_active_gauge(self, rw: RunWatch) -> None:
+        g = self._metrics.get("active")
+        if g is None:
+            return
+        for sig, sev in _all_signatures():
+            g.labels(rw.run_id, sig, sev).set(1 if any(
+                a["signature"] == sig for a in rw.active.values()) else 0)
+
+    # ------------------------------------------------------------ notifying
+    def _targets(self) -> dict[str, str]:
+        t = {LOG_TARGET: "pending"}
+        t.update({str(i): "pending" for i in range(len(self.cfg.notify))})
+        return t
+
+    def _enqueue(self, note: Notification) -> None:
+        note.targets = self._targets()
+        note.created_s = self.clock()
+        if self.outbox.add(note):
+            self.wake_delivery()
+
+    def wake_delivery(self) -> None:
+        """Let the delivery loop try now."""
+        self._delivery_wake.set()
+
+    def _alert(self, rw: RunWatch, a: Active) -> None:
+        host = rw.meta.host if rw.meta else ""
+        title, body = alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step, a.message,
+                                 a.numbers, a.fix, a.module, host)
+        nid = notification_id(rw.run_id, a.signature, a.module or "", a.step)
+        self._enqueue(Notification(id=nid, kind="alert", title=title, body=body, severity=a.severity,
+                                   run=rw.run_id, signature=a.signature, step=a.step,
+                                   data={"ranks": a.ranks, "numbers": a.numbers, "module": a.module}))
+        if self._am is not None:
+            self._am.fire(rw.run_id, a, host)
+        log.info("run %s: %s %s at step %d (ranks %s)", rw.run_id, a.severity, a.signature, a.step, a.ranks)
+
+    def _recovery(self, rw: RunWatch, a: Active, step: int) -> None:
+        title, body = recovery_text(rw.run_id, a.signature, step, a.module)
+        nid = notification_id(rw.run_id, a.signature, a.module or "", a.step, "recovered")
+        self._enqueue(Notification(id=nid, kind="recovery", title=title, body=body, severity="info",
+                                   run=rw.run_id, signature=a.signature, step=step))
+        if self._am is not None:
+            self._am.resolve(rw.run_id, a)
+
+    def _delivery_loop(self) -> None:
+        while not self.stop_event.is_set():
+            sent, failed = deliver_due(self.outbox, self.cfg.notify, self.state_dir / "notifications.jsonl",
+                                       initial_s=self.cfg.retry_initial_s, max_s=self.cfg.retry_max_s,
+                                       clock=self.clock)
+            self.alerts_sent += sent
+            self.delivery_failures += failed
+            if self._metrics:
+                if failed:
+                    self._metrics["failures"].inc(failed)
+                if sent:
+                    self._metrics["sent"].labels("any").inc(sent)
+                self._metrics["pending"].set(self.outbox.pending_count())
+            if self._am is not None:
+                try:
+                    self._am.resend_due(self.clock())
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("alertmanager forward failed: %s", exc)
+            self._delivery_wake.wait(1.0)
+            self._delivery_wake.clear()
+
+    # --------------------------------------------------------------- replays
+    def _replay_record(self, rw: RunWatch, cap: Path) -> Path:
+        return self.replays_dir / f"{notification_id(rw.run_id, cap.name)}.json"
+
+    def _replay_loop(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                rw, cap = self.replay_queue.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            record = self._replay_record(rw, cap)
+            if record.exists() or rw.meta is None:
+                continue
+            log.info("run %s: replaying %s", rw.run_id, cap.name)
+            outcome = run_replay_subprocess(rw.meta, rw.run_dir, cap, timeout_s=self.cfg.replay_timeout_s,
+                                            memory_bytes=self.cfg.replay_memory_bytes)
+            if self.stop_event.is_set() and outcome.result in ("failed", "timeout"):
+                self._queued.discard(str(cap))
+                return  # cut short by our own shutdown: it runs again after a restart
+            self._finish_replay(rw, cap, outcome, record)
+
+    def _finish_replay(self, rw: RunWatch, cap: Path, outcome: ReplayOutcome, record: Path) -> None:
+        self.replays_run += 1
+        if self._metrics:
+            self._metrics["replays"].labels(outcome.result).inc()
+        nid = notification_id(rw.run_id, "replay", cap.name)
+        if outcome.report is not None:
+            title, body = verdict_text(outcome.report)
+            sev = "critical" if outcome.report.get("phase") not in (None, "none") else "warning"
+            note = Notification(id=nid, kind="verdict", title=title, body=body, severity=sev,
+                                run=rw.run_id, signature="replay", step=outcome.report.get("step"),
+                                data=outcome.report)
+        else:
+            title, body = replay_failed_text(rw.run_id, cap.name, outcome.reason)
+            note = Notification(id=nid, kind="verdict", title=title, body=body, severity="warning",
+                                run=rw.run_id, signature="replay_failed",
+                                data={"result": outcome.result, "reason": outcome.reason})
+        self._enqueue(note)
+        tmp = record.with_name(record.name + ".tmp")
+        tmp.write_text(json.dumps({"capture": str(cap), "result": outcome.result,
+                                   "elapsed_s": outcome.elapsed_s, "exit_code": outcome.exit_code,
+                                   "reason": outcome.reason, "report": outcome.report}, allow_nan=True))
+        os.replace(tmp, record)
+        log.info("run %s: replay %s -> %s in %.1f s", rw.run_id, cap.name, outcome.result, outcome.elapsed_s)
+
+    # --------------------------------------------------------------- status
+    def _write_status(self) -> None:
+        runs = []
+        for rw in self.runs.values():
+            runs.append({"run_id": rw.run_id, "run_dir": str(rw.run_dir), "ranks": sorted(rw.tails),
+                         "last_step": max(rw.last_step.values(), default=None),
+                         "ended": {str(k): v for k, v in rw.ended.items()},
+                         "active": sorted(rw.active), "captures": len(rw.captures_seen),
+                         "error": rw.error, "bad_lines": rw.bad_lines})
+        status = {"pid": os.getpid(), "host": socket.gethostname(), "started_s": self.started_s,
+                  "updated_s": self.clock(), "runs_dir": str(self.cfg.runs_dir),
+                  "runs_watched": len(self.runs), "alerts_sent": self.alerts_sent,
+                  "delivery_failures": self.delivery_failures, "replays_run": self.replays_run,
+                  "alerts_pending": self.outbox.pending_count(), "metrics_port": self.metrics_port,
+                  "notify": [redact_url(u) for u in self.cfg.notify], "runs": runs}
+        if self._metrics:
+            self._metrics["runs"].set(len(self.runs))
+        path = self.state_dir / "status.json"
+        tmp = path.with_name("status.json.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(status, f, indent=1)
+        os.replace(tmp, path)
+
+
+def _all_signatures() -> list[tuple[str, str]]:
+    from .signatures.base import SIGNATURES  # noqa: PLC0415
+
+    return list(SIGNATURES.items())

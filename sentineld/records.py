@@ -1,0 +1,116 @@
+"""Per-step records: the one data shape shared by the agent, the stream and the signatures.
+
+A :class:`StepRecord` is what the agent knows about one optimizer step once its device values have
+been read back. It is written as one JSON line to the run's metrics stream
+(``stream-rank<R>.jsonl``) and read back by the daemon; signatures are pure functions over a window
+of them.
+
+Units are in the field names (``_s`` = seconds). Floats may be ``nan``/``inf``: that is the point.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+__all__ = ["StepRecord", "LayerStats", "record_from_json", "record_to_json"]
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """Sampled statistics of one module at one step (taken every ``layer_every`` steps).
+
+    Attributes:
+        grad_norm: L2 norm of the module's own parameters' gradients (``recurse=False``), or None.
+        param_norm: L2 norm of those parameters.
+        update_ratio: ||delta w|| / ||w|| over the optimizer step (Karpathy's ~1e-3 rule of thumb).
+        dead_fraction: share (0-1) of output units never > 0 over the sampled batch (ReLU family).
+        saturated_fraction: share (0-1) of output units saturated (|tanh| > 0.99, sigmoid < 0.01 or
+            > 0.99) over the sampled batch.
+    """
+
+    grad_norm: float | None = None
+    param_norm: float | None = None
+    update_ratio: float | None = None
+    dead_fraction: float | None = None
+    saturated_fraction: float | None = None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one optimizer step looked like.
+
+    Attributes:
+        step: optimizer step index, 0-based, as counted by the agent.
+        loss: loss as passed to ``Watch.step`` (last micro-batch's when accumulating); may be nan/inf.
+        grad_norm: global L2 norm over all parameter gradients before the optimizer step
+            (after unscaling and clipping if the loop does those first); None if no gradient.
+        lr: learning rate of the first parameter group after the step; None if absent.
+        step_s: wall time of the step in seconds (previous ``Watch.step`` call to this one).
+        time_s: Unix time in seconds when the step was recorded.
+        optimizer_skipped: True when the optimizer step did not run (GradScaler found inf/nan).
+        loss_scale: GradScaler scale, or None without a scaler.
+        rank: torch.distributed rank (0 without distributed).
+        grads_carried: True when gradients from an earlier step were still present at the first
+            forward of this step (no ``zero_grad`` / ``set_to_none``) and no accumulation was
+            declared; None when not checked.
+        param_nonfinite: True when a parameter held nan/inf after the step (checked on sampled
+            steps only; None otherwise).
+        input_nonfinite: True when a floating tensor of the batch held nan/inf (sampled steps).
+        layers: per-module :class:`LayerStats` on sampled steps, keyed by qualified module name.
+    """
+
+    step: int
+    loss: float
+    grad_norm: float | None = None
+    lr: float | None = None
+    step_s: float = 0.0
+    time_s: float = 0.0
+    optimizer_skipped: bool = False
+    loss_scale: float | None = None
+    rank: int = 0
+    grads_carried: bool | None = None
+    param_nonfinite: bool | None = None
+    input_nonfinite: bool | None = None
+    layers: Mapping[str, LayerStats] | None = field(default=None, compare=False)
+
+    @property
+    def nonfinite(self) -> bool:
+        """True when the loss or the global grad norm is nan or inf."""
+        if not math.isfinite(self.loss):
+            return True
+        return self.grad_norm is not None and not math.isfinite(self.grad_norm)
+
+
+def record_to_json(record: StepRecord) -> dict[str, Any]:
+    """A JSON-ready dict of ``record`` (nan/inf stay floats: Python's json writes NaN/Infinity)."""
+    out = asdict(record)
+    out["kind"] = "step"
+    if out["layers"] is None:
+        del out["layers"]
+    return out
+
+
+def record_from_json(obj: Mapping[str, Any]) -> StepRecord:
+    """Build a :class:`StepRecord` from one stream line's dict.
+
+    Raises:
+        ValueError: a required field (``step``, ``loss``) is missing or of the wrong type.
+    """
+    try:
+        step = int(obj["step"])
+        loss = float(obj["loss"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"stream record lacks a valid step/loss: {exc!r}") from None
+    layers = obj.get("layers")
+    known = {f for f in StepRecord.__dataclass_fields__} - {"step", "loss", "layers"}
+    kwargs = {k: obj[k] for k in known if k in obj}
+    if isinstance(layers, Mapping):
+        lf = set(LayerStats.__dataclass_fields__)
+        kwargs["layers"] = {
+            str(name): LayerStats(**{k: v for k, v in stats.items() if k in lf})
+            for name, stats in layers.items()
+            if isinstance(stats, Mapping)
+        }
+    return StepRecord(step=step, loss=loss, **kwargs)

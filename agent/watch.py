@@ -27,6 +27,7 @@ itself (``watch.enabled`` becomes False), leaving model and optimizer as they we
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -482,6 +483,10 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: A
         ValueError: a bad run id, recipe or config value (the message names it).
     """
     cfg_fields = set(AgentConfig.__dataclass_fields__)
+    own = set(inspect.signature(Watch.__init__).parameters) - {"self", "model", "optimizer"}
+    unknown = sorted(set(kwargs) - cfg_fields - own)
+    if unknown:
+        raise ValueError(f"unknown agent setting(s) {unknown}; known: {sorted(own | cfg_fields)}")
     cfg_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in cfg_fields}
     if cfg_kwargs:
         if kwargs.get("config") is not None:

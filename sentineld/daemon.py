@@ -102,6 +102,7 @@ class Daemon:
         self._am: Any = None
         self._metrics: dict[str, Any] = {}
         self._queued: set[str] = set()
+        self._am_lock = threading.Lock()
         self._delivery_wake = threading.Event()
 
     # ------------------------------------------------------------------ setup
@@ -124,6 +125,8 @@ class Daemon:
         m["failures"] = Counter("sentineld_alert_delivery_failures", "Failed delivery attempts", registry=reg)
         m["pending"] = Gauge("sentineld_alerts_pending", "Notifications not yet delivered", registry=reg)
         m["replays"] = Counter("sentineld_replays", "Replays finished", ["result"], registry=reg)
+        for result in ("localized", "not_localized", "not_reproduced", "failed", "timeout"):
+            m["replays"].labels(result)  # export 0 from the start so increase() sees the first one
         port = 0 if self.cfg.metrics_port == -1 else self.cfg.metrics_port
         try:
             server, _ = start_http_server(port, addr=self.cfg.metrics_addr, registry=reg)
@@ -201,7 +204,7 @@ class Daemon:
             if self.cfg.alertmanager_url:
                 from .alertmanager import ActiveAlerts  # noqa: PLC0415
 
-                self._am = ActiveAlerts(self.cfg.alertmanager_url)
+                self._am = ActiveAlerts(resend_s=60.0)
             urls = ", ".join(redact_url(u) for u in self.cfg.notify) or "none (notifications log only)"
             log.info("sentineld daemon %d watching %s; state %s; notify: %s", os.getpid(),
                      self.cfg.runs_dir, self.state_dir, urls)
@@ -260,6 +263,13 @@ class Daemon:
             saved = load_progress(self._progress_path(run_dir))
             if saved:
                 rw.restore(saved)
+                if self._am is not None:
+                    # Alertmanager forgets alerts that are not re-sent: restore what was firing.
+                    for act in rw.active.values():
+                        a = Active(**act)
+                        title, body = alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step,
+                                                 a.message, a.numbers, a.fix, a.module)
+                        self._am_fire(rw, a, title, body)
             self.runs[key] = rw
         return rw
 
@@ -356,8 +366,7 @@ class Daemon:
         self._enqueue(Notification(id=nid, kind="alert", title=title, body=body, severity=a.severity,
                                    run=rw.run_id, signature=a.signature, step=a.step,
                                    data={"ranks": a.ranks, "numbers": a.numbers, "module": a.module}))
-        if self._am is not None:
-            self._am.fire(rw.run_id, a, host)
+        self._am_fire(rw, a, title, body)
         log.info("run %s: %s %s at step %d (ranks %s)", rw.run_id, a.severity, a.signature, a.step, a.ranks)
 
     def _recovery(self, rw: RunWatch, a: Active, step: int) -> None:
@@ -366,7 +375,21 @@ class Daemon:
         self._enqueue(Notification(id=nid, kind="recovery", title=title, body=body, severity="info",
                                    run=rw.run_id, signature=a.signature, step=step))
         if self._am is not None:
-            self._am.resolve(rw.run_id, a)
+            from .alertmanager import alert_labels  # noqa: PLC0415
+
+            with self._am_lock:
+                self._am.resolve(alert_labels(a.signature, rw.run_id, a.severity, a.module))
+
+    def _am_fire(self, rw: RunWatch, a: Active, title: str, body: str) -> None:
+        if self._am is None:
+            return
+        from .alertmanager import to_am_alert  # noqa: PLC0415
+
+        with self._am_lock:
+            self._am.fire(to_am_alert(signature=a.signature, run=rw.run_id, severity=a.severity,
+                                      summary=title, description=body, step=a.step, ranks=a.ranks,
+                                      host=rw.meta.host if rw.meta else "", starts_at=self.clock(),
+                                      module=a.module))
 
     def _delivery_loop(self) -> None:
         while not self.stop_event.is_set():
@@ -381,11 +404,14 @@ class Daemon:
                 if sent:
                     self._metrics["sent"].labels("any").inc(sent)
                 self._metrics["pending"].set(self.outbox.pending_count())
-            if self._am is not None:
+            if self._am is not None and self.cfg.alertmanager_url:
+                from .alertmanager import flush  # noqa: PLC0415
+
                 try:
-                    self._am.resend_due(self.clock())
-                except Exception as exc:  # noqa: BLE001
-                    log.warning("alertmanager forward failed: %s", exc)
+                    with self._am_lock:
+                        flush(self._am, self.cfg.alertmanager_url)
+                except Exception as exc:  # noqa: BLE001 - retried on the next tick
+                    log.warning("alertmanager forward failed (retrying): %s", exc)
             self._delivery_wake.wait(1.0)
             self._delivery_wake.clear()
 

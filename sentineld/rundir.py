@@ -88,8 +88,8 @@ def make_private_dir(path: str | os.PathLike[str]) -> Path:
     p.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
         os.chmod(p, 0o700)
-    except PermissionError:
-        pass  # a shared runs dir owned by someone else keeps its mode; our files stay 0600
+    except OSError:
+        pass  # a shared runs dir owned by someone else, or a read-only mount, keeps its mode
     return p
 
 

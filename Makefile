@@ -1,0 +1,21 @@
+# Two commands that work on a fresh machine (see README.md):
+#   make demo   set up .venv and run `sentineld demo` (FAULT=zero-std|lr|none)
+#   make test   set up .venv and the Debian test dependencies, then run the test suite
+FAULT ?= zero-std
+
+.PHONY: setup system-deps demo test bench
+
+setup:
+	scripts/setup.sh
+
+system-deps:
+	scripts/system-deps.sh
+
+demo: setup
+	.venv/bin/sentineld demo --fault $(FAULT)
+
+test: setup system-deps
+	.venv/bin/python -m pytest -q -p no:cacheprovider tests
+
+bench: setup
+	.venv/bin/python bench/overhead.py

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import re
 import shutil
 import socket
@@ -49,6 +50,8 @@ def promql_metric_names(expr: str) -> set[str]:
 def require_binary(name: str) -> str:
     """Absolute path of a binary, or skip the test (Debian packages, see .ci/run)."""
     path = shutil.which(name)
+    if path is None and os.environ.get("CI"):
+        pytest.fail(f"{name} not installed: .ci/run must install it (scripts/system-deps.sh)")
     if path is None:
         pytest.skip(f"{name} not installed (apt-get install prometheus prometheus-alertmanager)")
     return path

@@ -124,6 +124,9 @@ class Watch:
             raise ValueError(f"recipe must be 'module:function', got {recipe!r}")
         self.config = config or AgentConfig()
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        # DDP/FSDP-style wrappers hold the real model in .module: snapshots and parameter names
+        # use it, so the replay's plain model loads them without a "module." prefix.
+        self._inner = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
         self.run_id = run_id
         self.rank, world, local_rank = _dist_rank()
         self._clock, self._wall = clock, wall_clock
@@ -310,7 +313,7 @@ class Watch:
                 self._latched = False
 
     def _grads_now(self) -> dict[str, torch.Tensor]:
-        names = {id(p): n for n, p in self.model.named_parameters()}
+        names = {id(p): n for n, p in self._inner.named_parameters()}
         return {names.get(id(p), f"param{i}"): p.grad.detach().to("cpu", copy=True)
                 for i, p in enumerate(q for g in self.optimizer.param_groups for q in g["params"])
                 if p.grad is not None}
@@ -319,7 +322,7 @@ class Watch:
     def _take_snapshot(self, step: int) -> None:
         t0 = self._clock()
         state = {
-            "model": self.model.state_dict(),
+            "model": self._inner.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),

@@ -43,6 +43,9 @@ log = logging.getLogger("sentineld.daemon")
 
 #: Seconds between signature evaluations of a run that wrote nothing new (for ``stalled``).
 IDLE_EVAL_S = 10.0
+#: Seconds a multi-rank run's new alert waits for the other ranks' streams (our measurement: DDP
+#: ranks on one host flush their NaN step within ~0.3 s of each other).
+RANK_GRACE_S = 2.0
 
 
 class AlreadyRunning(Exception):
@@ -102,6 +105,7 @@ class Daemon:
         self._am: Any = None
         self._metrics: dict[str, Any] = {}
         self._queued: set[str] = set()
+        self._held: dict[tuple[str, str], float] = {}
         self._am_lock = threading.Lock()
         self._delivery_wake = threading.Event()
 
@@ -242,6 +246,7 @@ class Daemon:
                 dirty |= self._scan_runs_dir()
             for run_dir in sorted(dirty):
                 self._process(run_dir)
+            self._release_held()
             if full:
                 self._idle_evaluations()
                 self._write_status()
@@ -263,6 +268,9 @@ class Daemon:
             saved = load_progress(self._progress_path(run_dir))
             if saved:
                 rw.restore(saved)
+                for k, act in rw.active.items():
+                    if not act.get("notified", True):
+                        self._held[(key, k)] = self.clock()  # held when the last daemon stopped
                 if self._am is not None:
                     # Alertmanager forgets alerts that are not re-sent: restore what was firing.
                     for act in rw.active.values():
@@ -323,16 +331,39 @@ class Daemon:
             return
         current = merge_verdicts(per_rank)
         fired, cleared = transitions(rw.active.keys(), current)
+        for key, a in current.items():
+            if key in rw.active:  # ranks that show a firing signature later join it
+                ranks = rw.active[key]["ranks"]
+                ranks.extend(r for r in a.ranks if r not in ranks)
+        multi_rank = rw.meta is not None and rw.meta.world_size > 1
         for a in fired:
             rw.active[a.key] = asdict(a)
-            self._alert(rw, a)
+            if multi_rank:
+                # Ranks of one job fail within moments of each other: wait briefly so the one
+                # alert names every rank that showed it.
+                self._held[(str(rw.run_dir), a.key)] = self.clock() + RANK_GRACE_S
+            else:
+                self._alert(rw, a)
         last = max(rw.last_step.values(), default=0)
         for key in cleared:
             a = Active(**rw.active.pop(key))
-            self._recovery(rw, a, last)
+            if self._held.pop((str(rw.run_dir), key), None) is None:
+                self._recovery(rw, a, last)  # a held alert that cleared was never sent
         if fired or cleared:
             save_progress(self._progress_path(rw.run_dir), rw)
             self._update_active_gauge(rw)
+
+    def _release_held(self) -> None:
+        now = self.clock()
+        for (run_key, key), deadline in list(self._held.items()):
+            if now < deadline:
+                continue
+            del self._held[(run_key, key)]
+            rw = self.runs.get(run_key)
+            if rw is not None and key in rw.active:
+                self._process(rw.run_dir)  # read what the other ranks wrote meanwhile
+                if key in rw.active:
+                    self._alert(rw, Active(**rw.active[key]))
 
     def _update_active_gauge(self, rw: RunWatch) -> None:
         g = self._metrics.get("active")
@@ -359,6 +390,9 @@ class Daemon:
         self._delivery_wake.set()
 
     def _alert(self, rw: RunWatch, a: Active) -> None:
+        if a.key in rw.active:
+            rw.active[a.key]["notified"] = True
+            save_progress(self._progress_path(rw.run_dir), rw)
         host = rw.meta.host if rw.meta else ""
         title, body = alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step, a.message,
                                  a.numbers, a.fix, a.module, host)

@@ -39,6 +39,7 @@ class Active:
     message: str
     numbers: dict[str, float]
     fix: str
+    notified: bool = False
 
     @property
     def key(self) -> str:

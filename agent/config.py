@@ -45,7 +45,18 @@ class AgentConfig:
         post_steps: steps recorded after the offending one before its capture is written, so
             the replay can follow a fault that shows one step later (e.g. a grad norm that
             overflows before the parameters do); the capture is also written at close.
-        capture_on_crash: write a ``crash`` capture when the watched block raises.
+        capture_on_crash: write a ``crash`` capture when the watched block raises, when an
+            exception reaches ``sys.excepthook`` (loops without ``with``), and on SIGTERM.
+        capture_on_sigterm: install a SIGTERM handler (main thread only; not when SIGTERM is
+            ignored) that writes the ``crash`` capture, closes the agent, then does what the
+            previous handler did: calls it, or dies by SIGTERM as before (preemption, ``kill``,
+            ``torchrun`` shutting workers down). The capture must fit in the grace period the
+            scheduler gives before SIGKILL (Kubernetes: 30 s); ``disk_ring`` covers the rest.
+        disk_ring: also persist the ring buffer under the run directory as it is taken
+            (``ring-rank<R>-<pid>/``, bounded like the RAM ring), so a run killed without
+            warning (SIGKILL, OOM killer) still yields a ``crash`` capture, assembled by the
+            daemon or ``sentineld recover``. Writes happen on a background thread; the per-step
+            cost is measured by ``bench/disk_ring_cost.py``.
     """
 
     snapshot_every: int = 0
@@ -60,6 +71,8 @@ class AgentConfig:
     rearm_steps: int = 100
     post_steps: int = 2
     capture_on_crash: bool = True
+    capture_on_sigterm: bool = True
+    disk_ring: bool = False
 
     def __post_init__(self) -> None:
         if self.snapshot_every < 0:

@@ -27,13 +27,17 @@ itself (``watch.enabled`` becomes False), leaving model and optimizer as they we
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import logging
 import math
 import os
+import signal
 import socket
+import sys
 import threading
 import time
+import weakref
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable
@@ -41,6 +45,7 @@ from typing import Any, Callable
 import torch
 
 from sentineld.capture import CaptureStep, capture_name, write_capture
+from sentineld.diskring import DiskRingWriter
 from sentineld.records import StepRecord, record_to_json
 from sentineld.rng import capture_rng
 from sentineld.rundir import (RunMeta, make_private_dir, stream_path, valid_run_id,
@@ -70,6 +75,30 @@ def _default_run_id() -> str:
         if os.environ.get(var) and valid_run_id(os.environ[var]):
             return os.environ[var]
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
+
+
+def _torch_flags() -> dict[str, Any]:
+    """Process-wide settings a step's numerics depend on; the replay applies them."""
+    return {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+
+
+def _unused_run_id(parent: Path, run_id: str, rank: int) -> str:
+    """``run_id``, or ``run_id.2``, ``.3``... when this rank already wrote a stream under it.
+
+    Re-running a script with a fixed run id must not append to the old stream or overwrite its
+    captures (the daemon would see nothing new). All ranks of a relaunched job skip the same ids.
+    """
+    candidate, n = run_id, 1
+    while (parent / candidate / f"stream-rank{rank}.jsonl").exists():
+        n += 1
+        candidate = f"{run_id}.{n}"
+    if candidate != run_id:
+        log.warning("sentineld: run %s already has a stream for rank %d; this run is %s",
+                    run_id, rank, candidate)
+    return candidate
 
 
 class _Pending:
@@ -127,7 +156,6 @@ class Watch:
         # DDP/FSDP-style wrappers hold the real model in .module: snapshots and parameter names
         # use it, so the replay's plain model loads them without a "module." prefix.
         self._inner = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
-        self.run_id = run_id
         self.rank, world, local_rank = _dist_rank()
         self._clock, self._wall = clock, wall_clock
         self._accumulating = accumulation_steps > 1
@@ -136,11 +164,14 @@ class Watch:
         self.snapshot_every = self.config.snapshot_every or self.config.min_snapshot_every
         self._auto_k = self.config.snapshot_every == 0
 
-        self.run_dir = make_private_dir(Path(runs_dir or default_runs_dir()) / run_id)
+        parent = Path(runs_dir or default_runs_dir())
+        run_id = _unused_run_id(parent, run_id, self.rank)
+        self.run_id = run_id
+        self.run_dir = make_private_dir(parent / run_id)
         write_run_meta(self.run_dir, RunMeta(
             run_id=run_id, recipe=recipe, recipe_args=dict(recipe_args or {}), rank=self.rank, world_size=world,
             torch_version=str(torch.__version__), num_threads=torch.get_num_threads(),
-            num_classes=num_classes, started_s=wall_clock()))
+            num_classes=num_classes, started_s=wall_clock(), extra={"torch_flags": _torch_flags()}))
         self.stream = StreamWriter(stream_path(self.run_dir, self.rank), self.config.flush_s)
         self.stream.put({"kind": "start", "run_id": run_id, "rank": self.rank, "pid": os.getpid(),
                          "host": socket.gethostname(), "time_s": wall_clock()}, urgent=True)
@@ -156,6 +187,23 @@ class Watch:
                 log.warning("sentineld: metrics export off: %s", exc)
 
         self._ring = Ring(self.config.window, self.config.ring_bytes)
+        self._closed = False
+        self._crash_captured = False
+        # Imported now, not at the first capture: the exit paths (atexit, excepthook) write
+        # captures, and a first `import h5py` from an atexit handler segfaults (h5py 3.16).
+        import h5py  # noqa: F401, PLC0415
+        for stale in self.run_dir.glob(f"capture-rank{self.rank}-*.h5.tmp"):
+            stale.unlink(missing_ok=True)  # a capture a killed process of this rank never finished
+        self._disk: DiskRingWriter | None = None
+        if self.config.disk_ring:
+            try:
+                self._disk = DiskRingWriter(
+                    self.run_dir, self.rank, self.config.window,
+                    meta={"run_id": run_id, "torch_version": str(torch.__version__)},
+                    on_warning=lambda text: self.stream.put(
+                        {"kind": "agent_warning", "message": text}, urgent=True))
+            except OSError as exc:
+                log.warning("sentineld: on-disk ring off: %s", exc)
         self._n = 0
         self._t_last = clock()
         self._step_times: deque[float] = deque(maxlen=20)
@@ -179,6 +227,7 @@ class Watch:
             model.register_forward_pre_hook(self._on_forward),
             optimizer.register_step_pre_hook(self._on_optimizer_step),
         ]
+        _EXITS.register(self)
 
     # ----------------------------------------------------------------- hooks
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
@@ -217,7 +266,8 @@ class Watch:
             return None
         norms = []
         for grads in by_device.values():
-            norms.extend(n.float() for n in torch._foreach_norm(grads))
+            # float32 accumulation: a float16 grad norm overflows (65504) long before any element.
+            norms.extend(torch._foreach_norm(grads, 2, dtype=torch.float32))
         dev = norms[0].device
         return torch.linalg.vector_norm(torch.stack([n.to(dev, non_blocking=True) for n in norms]))
 
@@ -270,6 +320,8 @@ class Watch:
         self._n += 1
         self._since_snapshot += 1
         self._resolve_ready()
+        if self._disk is not None:
+            self._disk.add_step(entry, event)
         if self._incident is not None and self._n - 1 >= self._incident[1] + self.config.post_steps:
             self._flush_incident()
         self._tune_snapshot_cadence()
@@ -327,12 +379,20 @@ class Watch:
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
         }
+        # Gradients are part of the state only in a loop that does not zero them before the
+        # forward (no zero_grad, or accumulation across steps): then the next step adds to them.
+        grads = {n: p.grad for n, p in self._inner.named_parameters() if p.grad is not None}
+        if grads:
+            state["grads"] = grads
         host = to_host(state)
         event = None
         if self._device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        self._ring.add_snapshot(Snapshot(step=step, state=host, event=event, nbytes=tree_nbytes(host)))
+        snap = Snapshot(step=step, state=host, event=event, nbytes=tree_nbytes(host))
+        self._ring.add_snapshot(snap)
+        if self._disk is not None:
+            self._disk.add_snapshot(snap)
         self._snap_s = max(self._snap_s * 0.5, self._clock() - t0)
         self._snapshot_due = False
         self._since_snapshot = 0
@@ -389,6 +449,7 @@ class Watch:
                              "message": f"capture not written: {exc}"}, urgent=True)
             return
         self.captures.append(path)
+        self._crash_captured |= trigger == "crash"
         self.latest.captures_total += 1
         self.stream.put({"kind": "capture", "step": step, "trigger": trigger, "path": path.name,
                          "snapshot_step": snap.step}, urgent=True)
@@ -422,9 +483,17 @@ class Watch:
         """Detach hooks, finish pending records and captures, stop the exporter and the stream.
 
         Args:
-            reason: written to the stream's ``end`` record (``finished`` or ``crashed``).
+            reason: written to the stream's ``end`` record (``finished``, ``crashed`` or
+                ``terminated``).
             timeout_s: most seconds to wait for captures being written.
+
+        Safe to call more than once. The on-disk ring is deleted on a clean finish or once a
+        crash capture was written; otherwise it stays for ``sentineld recover``.
         """
+        if self._closed:
+            return
+        self._closed = True
+        _EXITS.unregister(self)
         self._remove_hooks()
         if self.enabled:
             try:
@@ -438,6 +507,10 @@ class Watch:
         deadline = time.monotonic() + timeout_s
         for t in self._capture_threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        if self._disk is not None:
+            self._disk.close(remove=reason == "finished" or self._crash_captured,
+                             timeout_s=max(0.0, deadline - time.monotonic()))
+            self._disk = None
         self.stream.put({"kind": "end", "reason": reason, "steps": self._n, "time_s": self._wall()})
         self.stream.close()
         if self._server is not None:
@@ -450,12 +523,20 @@ class Watch:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if exc is not None and self.enabled and self.config.capture_on_crash:
+        if exc is not None:
+            self._crash(f"{type(exc).__name__}: {exc}", "crashed")
+        self.close("finished")
+
+    def _crash(self, message: str, reason: str, timeout_s: float = 120.0) -> None:
+        """Write a ``crash`` capture of the ring (when enabled) and close with ``reason``."""
+        if self._closed:
+            return
+        if self.enabled and self.config.capture_on_crash:
             try:
-                self.capture_now("crash", f"{type(exc).__name__}: {exc}")
+                self.capture_now("crash", message)
             except Exception as err:  # noqa: BLE001
                 log.warning("sentineld: crash capture failed: %r", err)
-        self.close("crashed" if exc is not None else "finished")
+        self.close(reason, timeout_s=timeout_s)
 
 
 def _pinned(t: torch.Tensor) -> torch.Tensor:
@@ -464,6 +545,99 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
     out.copy_(t.detach(), non_blocking=True)
     return out
+
+
+#: Seconds the SIGTERM path waits for its capture: schedulers SIGKILL after a grace period
+#: (Kubernetes 30 s, Slurm KillWait 30 s), and the process must still die by SIGTERM before that.
+SIGTERM_CAPTURE_TIMEOUT_S = 20.0
+
+
+class _ExitPaths:
+    """Process-wide hooks shared by every open :class:`Watch`: the ways a process ends without
+    ``close()`` (an uncaught exception, SIGTERM, interpreter exit) write the crash capture first.
+
+    - ``sys.excepthook``: a ``crash`` capture naming the exception (not for KeyboardInterrupt),
+      then the previous hook (which prints the traceback as before).
+    - SIGTERM (main thread, unless SIGTERM is ignored): a ``crash`` capture, then the previous
+      handler is called, or (default action) the handler is reset and the signal re-sent, so the
+      process still dies by SIGTERM with the usual exit status.
+    - ``atexit``: a watch left open is closed (pending captures are finished, not cut off).
+
+    Each hook is installed once, chains what was there, and is removed when the last watch
+    closes if it is still the one in place.
+    """
+
+    def __init__(self) -> None:
+        self.watches: weakref.WeakSet[Watch] = weakref.WeakSet()
+        self.prev_hook: Any = None
+        self.prev_term: Any = None
+        self.term_installed = False
+        self.atexit_registered = False
+
+    def register(self, w: Watch) -> None:
+        self.watches.add(w)
+        if not self.atexit_registered:
+            atexit.register(self._at_exit)
+            self.atexit_registered = True
+        if w.config.capture_on_crash and sys.excepthook != self._excepthook:
+            self.prev_hook, sys.excepthook = sys.excepthook, self._excepthook
+        if (w.config.capture_on_sigterm and not self.term_installed
+                and threading.current_thread() is threading.main_thread()):
+            try:
+                prev = signal.getsignal(signal.SIGTERM)
+                if prev != signal.SIG_IGN:
+                    signal.signal(signal.SIGTERM, self._on_sigterm)
+                    self.prev_term, self.term_installed = prev, True
+            except (ValueError, OSError) as exc:  # not the main interpreter, or no signals here
+                log.debug("sentineld: no SIGTERM handler: %s", exc)
+
+    def unregister(self, w: Watch) -> None:
+        self.watches.discard(w)
+        if len(self.watches):
+            return
+        if sys.excepthook == self._excepthook:
+            sys.excepthook, self.prev_hook = self.prev_hook or sys.__excepthook__, None
+        if self.term_installed and threading.current_thread() is threading.main_thread():
+            try:
+                if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                    signal.signal(signal.SIGTERM, self.prev_term if self.prev_term is not None
+                                  else signal.SIG_DFL)
+                self.term_installed, self.prev_term = False, None
+            except (ValueError, OSError):
+                pass
+
+    def _crash_all(self, message: str, reason: str, timeout_s: float) -> None:
+        for w in list(self.watches):
+            try:
+                w._crash(message, reason, timeout_s)
+            except Exception as exc:  # noqa: BLE001 - never in the way of the process ending
+                log.warning("sentineld: crash path failed: %r", exc)
+
+    def _excepthook(self, etype: type[BaseException], value: BaseException, tb: Any) -> None:
+        if not issubclass(etype, KeyboardInterrupt):
+            self._crash_all(f"{etype.__name__}: {value}", "crashed", 120.0)
+        (self.prev_hook or sys.__excepthook__)(etype, value, tb)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        prev = self.prev_term
+        self._crash_all("terminated by SIGTERM (preemption or shutdown)", "terminated",
+                        SIGTERM_CAPTURE_TIMEOUT_S)
+        if callable(prev):
+            prev(signum, frame)
+            return
+        # Default action: die by the signal, exactly as without the agent.
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    def _at_exit(self) -> None:
+        for w in list(self.watches):
+            try:
+                w.close("finished")
+            except Exception:  # noqa: BLE001
+                pass
+
+
+_EXITS = _ExitPaths()
 
 
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Watch:

@@ -4,7 +4,15 @@ JSON fields (stable; ``schema_version`` bumps on any change): ``schema_version``
 ``rank``, ``step`` (the offending step), ``requested_step``, ``phase`` (``data`` | ``forward`` |
 ``backward`` | ``optimizer`` | ``none``), ``module``, ``module_type``, ``op``, ``autograd_node``,
 ``parameters``, ``reproduced``, ``max_loss_deviation``, ``steps_rebuilt``, ``recorded_nonfinite``,
-``cause``, ``fix``, ``evidence``, ``capture``, ``elapsed_s``.
+``cause``, ``fix``, ``evidence``, ``capture``, ``elapsed_s``, ``rebuild_s`` (loading the capture and
+re-executing S..N-1), ``localize_s`` (the instrumented step).
+
+``evidence`` keys by phase: ``data``: ``field``, ``samples``, ``fields``; ``forward``:
+``op_inputs``, ``op_output``, ``module_call``, ``first_nonfinite_module``, ``micro_batch``;
+``backward``: ``op_inputs``, ``op_output``; ``optimizer``: ``state_entry``, ``optimizer_state``,
+``eps``, ``inf_gradient_origin`` (clipping), ``scheduler`` (learning rate); always
+``replayed_loss``, ``recorded_loss``, ``rebuilt_losses``, ``births``, ``nan_table_row``,
+``precision``, ``torch_flags``.
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ class Report:
     evidence: dict[str, Any] = field(default_factory=dict)
     capture: str = ""
     elapsed_s: float = 0.0
+    rebuild_s: float = 0.0
+    localize_s: float = 0.0
     schema_version: int = REPORT_SCHEMA_VERSION
 
     def to_json(self) -> str:
@@ -64,10 +74,46 @@ def _strict(obj: Any) -> Any:
     return obj
 
 
+def _stats(s: dict[str, Any] | None) -> str:
+    if not s:
+        return "-"
+    bad = f", {s['nonfinite']} non-finite" if s.get("nonfinite") else ""
+    rng = (f" [{s['min']:.4g}, {s['max']:.4g}] max|x| {s['finite_max_abs']:.4g}"
+           if s.get("finite_max_abs") is not None else "")
+    return f"{s.get('dtype')}{s.get('shape')}{rng}{bad}"
+
+
+def _details(r: Report) -> list[str]:
+    ev = r.evidence
+    out = []
+    if r.phase == "data":
+        out.append(f"field {ev.get('field')}, samples {ev.get('samples')}")
+    if ev.get("op_inputs") is not None and r.op and r.op != "lr":
+        out.append(f"op inputs: {'; '.join(_stats(s) for s in ev['op_inputs']) or '-'}")
+        out.append(f"op output: {_stats(ev.get('op_output'))}")
+    if ev.get("state_entry"):
+        out.append(f"optimizer state: {ev['state_entry']}" + (
+            f" (eps {ev['eps']['eps']:g} is {ev['eps']['in_param_dtype']:g} in {ev['eps']['param_dtype']})"
+            if ev.get("eps") else ""))
+    origin = ev.get("inf_gradient_origin")
+    if origin:
+        out.append(f"Inf gradient made in backward of module '{origin.get('module')}', op {origin.get('op')} "
+                   f"[{origin.get('autograd_node')}]")
+    sched = ev.get("scheduler")
+    if sched:
+        out.append(f"lr used by the step {sched.get('lr_used_by_step')}, set for the next "
+                   f"{sched.get('lr_set_for_next_step')} (last_epoch {sched.get('last_epoch')})")
+    if r.phase == "none":
+        out.append(f"recorded run non-finite here: {r.recorded_nonfinite}")
+    if ev.get("warning"):
+        out.append(f"warning: {ev['warning']}")
+    return out
+
+
 def render_text(r: Report) -> str:
-    """One short paragraph a person reads first, then the evidence keys."""
+    """One short paragraph a person reads first, then the key evidence."""
     where = ""
-    if r.module:
+    if r.module is not None:
         where = f" in module '{r.module}' ({r.module_type})"
     op = f", op {r.op}" if r.op else ""
     node = f" [{r.autograd_node}]" if r.autograd_node else ""
@@ -81,5 +127,7 @@ def render_text(r: Report) -> str:
         head = f"step {r.step}: the batch holds non-finite values ({r.evidence.get('field', '?')})"
     else:
         head = f"step {r.step}: first non-finite value made in {r.phase}{where}{op}{node}"
-    return (f"{head}\n  {repro} over {r.steps_rebuilt} rebuilt steps{params}\n"
+    details = "".join(f"\n  {d}" for d in _details(r))
+    return (f"{head}\n  {repro} over {r.steps_rebuilt} rebuilt steps (snapshot at step "
+            f"{r.evidence.get('snapshot_step', '?')}){params}{details}\n"
             f"  likely cause: {r.cause}\n  fix: {r.fix}")

@@ -5,52 +5,88 @@ A value is born non-finite by an op when
 - its output holds +-Inf while every tensor input and scalar argument was finite.
 
 So ``masked_fill(x, mask, -inf)`` (a non-finite scalar argument) is not a birth, ``softmax`` of a
-fully masked row (NaN from -inf inputs) is, and ``log(0)`` is. Every aten op is observed through a
-``TorchDispatchMode`` (forward, backward and optimizer alike; the autograd engine carries the mode
-into backward); a ``TorchFunctionMode`` remembers which module created each autograd node, so a
-birth inside backward is traced to its module through ``torch._C._current_autograd_node()``.
-Module forward hooks keep the module stack and record the first module whose output is non-finite
-while its inputs are finite (issue 2's definition).
+fully masked row (NaN from -inf inputs) is, and ``log(0)`` is. An in-place op's output is the
+tensor it wrote (``_foreach_mul_`` of gradient clipping returns nothing). Every aten op is observed
+through a ``TorchDispatchMode`` in forward, backward and the optimizer step alike (the autograd
+engine carries the mode into backward).
+
+Module forward hooks keep the module stack and, for each module call, whether its output was
+non-finite and which autograd nodes it created (found by walking the graph back from its outputs
+to nodes older than the call, using autograd's sequence numbers). A birth in backward is traced to
+its module through ``torch._C._current_autograd_node()``; an ``AccumulateGrad`` node to the module
+owning the parameter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["Birth", "ModuleBirth", "Tracer", "tensor_stats"]
+__all__ = ["Birth", "ModuleCall", "Tracer", "tensor_stats", "nonfinite_flags", "is_finite", "one_thread"]
 
-# Factory ops return uninitialised memory that may hold NaN bit patterns by chance.
-_SKIP_PREFIXES = ("aten.empty", "aten.new_empty", "aten._to_copy", "aten.set_", "aten.detach",
-                  "aten.lift_fresh", "aten.alias", "aten.resize_")
+# Ops that compute nothing: factories return uninitialised memory (which may hold NaN bit patterns
+# by chance), and detach/alias/set_ only relabel storage. Views are skipped via ``OpOverload.is_view``.
+_SKIP_PREFIXES = ("aten.empty", "aten.new_empty", "aten.set_", "aten.detach", "aten.lift_fresh",
+                  "aten.alias", "aten.resize_", "aten._local_scalar_dense", "aten.is_nonzero")
+_SEQ_NONE = 2 ** 64 - 1  # AccumulateGrad nodes carry UINT64_MAX as sequence number
+_get_seq = getattr(torch._C._autograd, "_get_sequence_nr", None)
 
 
 def _float_tensors(objs: Iterable[Any]) -> list[torch.Tensor]:
-    out = []
-    for o in objs:
-        if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex()) and o.numel():
-            out.append(o)
-    return out
+    return [o for o in objs if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex())
+            and o.numel() and o.device.type != "meta"]
 
 
-def _has_nan(ts: list[torch.Tensor]) -> bool:
-    return any(bool(torch.isnan(t).any()) for t in ts)
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run checks on one thread: on a busy two-core machine a two-thread reduction of a small
+    tensor waits milliseconds for a descheduled sibling (measured 2.2 ms vs 11 us). The step's own
+    ops keep the run's thread count (bit-for-bit reproduction depends on it)."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
-def _has_inf(ts: list[torch.Tensor]) -> bool:
-    return any(bool(torch.isinf(t).any()) for t in ts)
+def is_finite(t: torch.Tensor) -> bool:
+    """Every element of ``t`` is finite (max and min reductions: no temporary the size of ``t``)."""
+    if t.numel() == 0 or not (t.is_floating_point() or t.is_complex()):
+        return True
+    if t.is_complex():
+        return bool(torch.isfinite(t).all())
+    return bool(torch.isfinite(t.amax()) & torch.isfinite(t.amin()))
+
+
+def nonfinite_flags(ts: Iterable[torch.Tensor]) -> tuple[bool, bool]:
+    """``(any NaN, any +-Inf)`` over tensors; two reductions per finite tensor."""
+    nan = inf = False
+    for t in ts:
+        if is_finite(t):
+            continue
+        nan = nan or bool(torch.isnan(t).any())
+        inf = inf or bool(torch.isinf(t).any())
+        if nan and inf:
+            break
+    return nan, inf
 
 
 def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
-    """Evidence for one tensor: dtype, shape, min/max/max|x| over finite values, counts.
+    """Evidence for one tensor: dtype, shape, min / max / max|x| over finite values, counts.
 
-    Returns a JSON-ready dict; ``finite_max_abs`` is None when nothing is finite.
+    Returns a JSON-ready dict: ``dtype``, ``shape``, and for floating tensors ``numel``, ``nan``,
+    ``posinf``, ``neginf``, ``nonfinite``, ``zeros``, ``min``, ``max``, ``finite_max_abs`` (the
+    last three None when nothing is finite).
     """
     t = t.detach()
     stats: dict[str, Any] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
@@ -59,11 +95,10 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
     f = t.float() if not t.is_complex() else t.abs().float()
     finite = torch.isfinite(f)
     vals = f[finite]
+    nan = int(torch.isnan(f).sum())
+    posinf, neginf = int((f == math.inf).sum()), int((f == -math.inf).sum())
     stats.update(
-        numel=int(t.numel()),
-        nan=int(torch.isnan(f).sum()),
-        posinf=int((f == math.inf).sum()),
-        neginf=int((f == -math.inf).sum()),
+        numel=int(t.numel()), nan=nan, posinf=posinf, neginf=neginf, nonfinite=nan + posinf + neginf,
         zeros=int((f == 0).sum()),
         min=float(vals.min()) if vals.numel() else None,
         max=float(vals.max()) if vals.numel() else None,
@@ -77,16 +112,20 @@ class Birth:
     """One op that produced a non-finite value from values that were not.
 
     Attributes:
-        index: execution order among all observed ops of the step.
+        index: execution order among the observed ops of the step.
         phase: ``forward`` | ``backward`` | ``clip`` | ``optimizer`` | ``scheduler``.
         kind: ``nan`` or ``inf``.
         op: aten op name, e.g. ``aten.log`` (overload dropped).
-        module: qualified module name (``named_modules()``), ``None`` outside any module.
+        module: qualified module name (``named_modules()``) of the innermost module running the op
+            (forward) or that created the autograd node (backward); None outside any module;
+            ``<Type>`` for a module outside the model (a loss module).
         module_type: class name of that module.
+        call: index into :attr:`Tracer.calls` of the innermost module call (forward), else None.
+        micro: micro-batch index (forward/backward).
         autograd_node: in backward, the autograd node's name (e.g. ``SqrtBackward0``).
-        inputs, output: :func:`tensor_stats` of the op's tensor inputs and first output.
+        inputs, output: :func:`tensor_stats` of the op's tensor inputs (first four) and output.
         scalars: non-tensor numeric arguments.
-        tensor_names: names of parameters / optimizer state among the inputs (optimizer phase).
+        tensor_names: names of parameters / gradients / optimizer state among the op's tensors.
     """
 
     index: int
@@ -95,21 +134,53 @@ class Birth:
     op: str
     module: str | None
     module_type: str | None
+    call: int | None = None
+    micro: int = 0
     autograd_node: str | None = None
     inputs: list[dict[str, Any]] = field(default_factory=list)
     output: dict[str, Any] = field(default_factory=dict)
     scalars: list[float] = field(default_factory=list)
     tensor_names: list[str] = field(default_factory=list)
 
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready short form for evidence."""
+        return {"phase": self.phase, "kind": self.kind, "op": self.op, "module": self.module,
+                "autograd_node": self.autograd_node, "micro_batch": self.micro,
+                "inputs": self.inputs, "output": self.output, "tensors": self.tensor_names}
+
 
 @dataclass
-class ModuleBirth:
-    """First module whose forward output is non-finite while all its inputs are finite."""
+class ModuleCall:
+    """One forward call of a module, with what came out of it.
 
-    module: str
+    Attributes:
+        name, module_type: qualified name and class.
+        micro: micro-batch index.
+        out_nan, out_inf: the output held NaN / Inf; in_nan, in_inf: the inputs did.
+        tensors: ``(inputs, output)`` kept when the output was non-finite (see :meth:`stats`).
+    """
+
+    name: str
     module_type: str
-    inputs: list[dict[str, Any]]
-    output: dict[str, Any]
+    micro: int
+    out_nan: bool = False
+    out_inf: bool = False
+    in_nan: bool = False
+    in_inf: bool = False
+    tensors: tuple[list[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
+
+    def stats(self) -> dict[str, Any]:
+        """``{"inputs": [...], "output": {...}}`` tensor statistics (non-finite outputs only)."""
+        if self.tensors is None:
+            return {"inputs": [], "output": {}}
+        with one_thread():
+            return {"inputs": [tensor_stats(t) for t in self.tensors[0]],
+                    "output": tensor_stats(self.tensors[1])}
+
+    @property
+    def born_here(self) -> bool:
+        """Output non-finite while the inputs were finite (of the same kind, NaN from NaN-free)."""
+        return (self.out_nan and not self.in_nan) or (self.out_inf and not (self.in_nan or self.in_inf))
 
 
 class _Dispatch(TorchDispatchMode):
@@ -120,167 +191,211 @@ class _Dispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         tr = self.tracer
-        name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
+        name = str(getattr(func, "overloadpacket", func))
         name = name if name.startswith("aten.") else f"aten.{name}"
-        leaves, _ = tree_flatten((args, kwargs))
-        skip = name.startswith(_SKIP_PREFIXES) or not tr.active
-        ins = [] if skip else _float_tensors(leaves)
+        if (not tr.active or tr.paused or not tr.wants_birth or getattr(func, "is_view", False)
+                or name.startswith(_SKIP_PREFIXES)):
+            return func(*args, **kwargs)
+        leaves = tree_flatten((args, kwargs))[0]
+        ins = _float_tensors(leaves)
         scalars = [float(x) for x in leaves if isinstance(x, float)]
-        in_nan = (not skip) and (_has_nan(ins) or any(math.isnan(s) for s in scalars))
-        in_inf = (not skip) and (_has_inf(ins) or any(math.isinf(s) for s in scalars))
-        in_stats = [tensor_stats(t) for t in ins[:4]] if not skip and (tr.wants_birth) else []
+        with one_thread():
+            in_nan, in_inf = nonfinite_flags(ins)
+            in_nan = in_nan or any(math.isnan(s) for s in scalars)
+            in_inf = in_inf or any(math.isinf(s) for s in scalars)
+            mutated = [] if in_nan else _float_tensors(_mutated(func, args, kwargs))
+            before = {id(t): t.clone() for t in mutated}  # an in-place op overwrites its input
         out = func(*args, **kwargs)
-        if skip:
-            return out
         tr.op_count += 1
-        if not tr.wants_birth:
+        if in_nan:  # nothing can be born NaN or Inf from a NaN input
             return out
-        outs = _float_tensors(tree_flatten(out)[0])
+        outs = _float_tensors(tree_flatten(out)[0]) + mutated
         if not outs:
             return out
-        kind = None
-        if not in_nan and _has_nan(outs):
-            kind = "nan"
-        elif not in_nan and not in_inf and _has_inf(outs):
-            kind = "inf"
-        if kind is not None:
-            tr.record_birth(kind, name, ins, in_stats, outs[0], scalars)
+        with one_thread():
+            out_nan, out_inf = nonfinite_flags(outs)
+            kind = "nan" if out_nan else "inf" if (out_inf and not in_inf) else None
+            if kind is not None:
+                bad = next(t for t in outs if not is_finite(t))
+                in_stats = [tensor_stats(before.get(id(t), t)) for t in ins[:4]]
+                tr.record_birth(kind, name, in_stats, bad, scalars, tr.names_of(ins + mutated))
         return out
 
 
-class _Function(TorchFunctionMode):
-    """Remember which module (and torch function) created each autograd node."""
-
-    def __init__(self, tracer: "Tracer") -> None:
-        super().__init__()
-        self.tracer = tracer
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        tr = self.tracer
-        if tr.phase == "forward" and tr.stack:
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                    key = id(t.grad_fn)
-                    if key not in tr.node_module:
-                        tr.node_module[key] = (tr.stack[-1], t.grad_fn)
-        return out
+def _mutated(func: Any, args: Any, kwargs: Any) -> list[Any]:
+    """Tensors an op writes in place (its schema's mutable arguments)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    out: list[Any] = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            val = args[i] if i < len(args) else kwargs.get(a.name)
+            out.extend(tree_flatten(val)[0])
+    return out
 
 
 class Tracer:
-    """Observe one step; ``births`` holds every birth in execution order.
+    """Observe one step; :attr:`births` holds every birth in execution order.
 
     Use as a context manager around the step; call :meth:`set_phase` as phases change (it is
     passed to :func:`sentineld.recipe.train_step` as ``on_phase``).
 
     Args:
         model: the model whose modules are named in the report.
-        tensor_names: ``data_ptr -> name`` for parameters and optimizer state (optimizer phase).
-        max_births: stop recording after this many births (the first ones are what matter).
+        namer: returns ``data_ptr -> name`` for parameters, gradients and optimizer state as they
+            are at the moment of a birth (optimizer state is created inside the first step).
+        max_births: stop looking for births after this many (the first ones are what matter).
     """
 
-    def __init__(self, model: torch.nn.Module, tensor_names: dict[int, str] | None = None,
+    def __init__(self, model: torch.nn.Module, namer: Callable[[], dict[int, str]] | None = None,
                  max_births: int = 64) -> None:
         self.model = model
         self.names = {id(m): n for n, m in model.named_modules()}
-        self.types = {id(m): type(m).__name__ for _, m in model.named_modules()}
-        self.tensor_names = tensor_names or {}
+        self.types = {n: type(m).__name__ for n, m in model.named_modules()}
+        self.owner = {p.data_ptr(): mn for mn, m in model.named_modules() for p in m.parameters(recurse=False)}
+        self.namer = namer
         self.max_births = max_births
         self.phase = "forward"
-        self.stack: list[str] = []
+        self.micro = -1
         self.births: list[Birth] = []
-        self.module_birth: ModuleBirth | None = None
-        self.node_module: dict[int, tuple[str, Any]] = {}
+        self.calls: list[ModuleCall] = []
         self.op_count = 0
+        #: False once the verdict's phase is known: the rest of the step runs untraced.
         self.active = True
+        #: > 0 while the tracer's own checks run (their ops are not the step's).
+        self.paused = 0
+        self._stack: list[tuple[str, int, int]] = []  # (name, call index, first sequence nr)
+        self._node_module: dict[int, tuple[str, Any]] = {}  # id(node) -> (module, node kept alive)
         self._handles: list[Any] = []
-        self._modes: list[Any] = []
+        self._mode: _Dispatch | None = None
 
     @property
     def wants_birth(self) -> bool:
         return len(self.births) < self.max_births
 
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Run the caller's own tensor checks without observing them (on one thread)."""
+        self.paused += 1
+        try:
+            with one_thread():
+                yield
+        finally:
+            self.paused -= 1
+
     def set_phase(self, phase: str) -> None:
         """Mark the start of ``phase`` (see :data:`sentineld.recipe.PHASES`)."""
+        if phase == "forward":
+            self.micro += 1
         self.phase = phase
 
-    def _module_name(self, m: torch.nn.Module) -> str:
-        return self.names.get(id(m)) or f"<{type(m).__name__}>"
+    def names_of(self, ts: list[torch.Tensor]) -> list[str]:
+        """Names of parameters / grads / optimizer state among ``ts`` (only outside forward)."""
+        if self.phase == "forward" or self.namer is None:
+            return []
+        names = self.namer()
+        return list(dict.fromkeys(names[t.data_ptr()] for t in ts if t.data_ptr() in names))[:8]
 
-    def _pre(self, m: torch.nn.Module, args: Any) -> None:
-        self.stack.append(self._module_name(m))
+    # ------------------------------------------------------------------ module hooks
+    def _name(self, m: torch.nn.Module) -> str:
+        name = self.names.get(id(m))
+        return name if name is not None else f"<{type(m).__name__}>"
 
-    def _post(self, m: torch.nn.Module, args: Any, out: Any) -> None:
-        name = self.stack.pop() if self.stack else self._module_name(m)
-        if self.module_birth is None and self.phase == "forward":
-            outs = _float_tensors(tree_flatten(out)[0])
-            if outs and (_has_nan(outs) or _has_inf(outs)):
-                ins = _float_tensors(tree_flatten(args)[0])
-                if not (_has_nan(ins) or _has_inf(ins)):
-                    self.module_birth = ModuleBirth(
-                        module=name, module_type=type(m).__name__,
-                        inputs=[tensor_stats(t) for t in ins[:4]], output=tensor_stats(outs[0]))
+    def _pre(self, m: torch.nn.Module, args: Any, kwargs: Any = None) -> None:
+        if self.phase != "forward" or not self.active:
+            return
+        self.calls.append(ModuleCall(self._name(m), type(m).__name__, self.micro))
+        self._stack.append((self._name(m), len(self.calls) - 1, _get_seq() if _get_seq else 0))
 
-    def record_birth(self, kind: str, op: str, ins: list[torch.Tensor], in_stats: list[dict[str, Any]],
-                     out: torch.Tensor, scalars: list[float]) -> None:
-        module = self.stack[-1] if self.stack else None
+    def _post(self, m: torch.nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+        if self.phase != "forward" or not self._stack or not self.active:
+            return
+        name, ci, seq0 = self._stack.pop()
+        call = self.calls[ci]
+        outs = tree_flatten(out)[0]
+        fouts = _float_tensors(outs)
+        with self.pause():
+            call.out_nan, call.out_inf = nonfinite_flags(fouts)
+            if call.out_nan or call.out_inf:
+                ins = _float_tensors(tree_flatten((args, kwargs or {}))[0])
+                call.in_nan, call.in_inf = nonfinite_flags(ins)
+                call.tensors = ([t.detach() for t in ins[:4]], fouts[0].detach())
+        if _get_seq is not None and not name.startswith("<"):
+            self._claim_nodes(outs, name, seq0)
+
+    def _claim_nodes(self, outs: list[Any], name: str, seq0: int) -> None:
+        """Assign autograd nodes created during this call (and not by an inner module) to ``name``."""
+        todo = [t.grad_fn for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        seen: set[int] = set()
+        while todo:
+            node = todo.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            seq = node._sequence_nr()
+            if seq < seq0 or seq == _SEQ_NONE:
+                continue
+            self._node_module.setdefault(id(node), (name, node))
+            todo.extend(child for child, _ in node.next_functions)
+
+    # ------------------------------------------------------------------ births
+    def record_birth(self, kind: str, op: str, in_stats: list[dict[str, Any]], out: torch.Tensor,
+                     scalars: list[float], names: list[str]) -> None:
+        module: str | None = self._stack[-1][0] if self._stack else None
+        call = self._stack[-1][1] if self._stack else None
         node_name = None
         if self.phase == "backward":
             node = torch._C._current_autograd_node()
+            module = None
             if node is not None:
-                node_name = node.name()
-                origin = self.node_module.get(id(node))
+                node_name = node.name().removeprefix("torch::autograd::")
+                origin = self._node_module.get(id(node))
                 if origin is not None:
                     module = origin[0]
-                elif node_name == "torch::autograd::AccumulateGrad" or "AccumulateGrad" in node_name:
+                elif "AccumulateGrad" in node_name:
                     var = getattr(node, "variable", None)
-                    if var is not None:
-                        module = self._param_owner(var)
-        mtype = None
-        if module is not None:
-            mtype = next((self.types[id(m)] for n, m in self.model.named_modules() if n == module), None)
-            if mtype is None and module.startswith("<"):
-                mtype = module.strip("<>")
-        names = [self.tensor_names[t.data_ptr()] for t in ins if t.data_ptr() in self.tensor_names]
+                    module = self.owner.get(var.data_ptr()) if var is not None else None
+                    if var is not None and self.namer is not None:
+                        names = [self.namer().get(var.data_ptr(), "?")]
+        elif self.phase != "forward":
+            module = None
+        mtype = self.types.get(module) if module is not None else None
+        if mtype is None and module is not None and module.startswith("<"):
+            mtype = module.strip("<>")
         self.births.append(Birth(
-            index=self.op_count, phase=self.phase, kind=kind, op=op, module=module,
-            module_type=mtype, autograd_node=node_name, inputs=in_stats, output=tensor_stats(out),
-            scalars=scalars[:4], tensor_names=names[:8]))
+            index=self.op_count, phase=self.phase, kind=kind, op=op, module=module, module_type=mtype,
+            call=call, micro=max(self.micro, 0), autograd_node=node_name, inputs=in_stats,
+            output=tensor_stats(out), scalars=scalars[:4], tensor_names=names))
 
-    def _param_owner(self, p: torch.Tensor) -> str | None:
-        for mname, m in self.model.named_modules():
-            for q in m.parameters(recurse=False):
-                if q is p:
-                    return mname
-        return None
-
+    # ------------------------------------------------------------------ lifetime
     def __enter__(self) -> "Tracer":
-        for m in self.model.modules():
-            self._handles.append(m.register_forward_pre_hook(self._pre))
-            self._handles.append(m.register_forward_hook(self._post))
-        # Modules outside the model (a loss module) get generic global hooks for the stack only.
         own = {id(m) for m in self.model.modules()}
+        for m in self.model.modules():
+            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post, with_kwargs=True))
 
+        # Modules outside the model (a loss module) take part in the stack through global hooks.
         def gpre(m: torch.nn.Module, args: Any) -> None:
             if id(m) not in own:
-                self.stack.append(self._module_name(m))
+                self._pre(m, args)
 
         def gpost(m: torch.nn.Module, args: Any, out: Any) -> None:
-            if id(m) not in own and self.stack:
-                self.stack.pop()
+            if id(m) not in own:
+                self._post(m, args, None, out)
 
         self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(gpre))
         self._handles.append(torch.nn.modules.module.register_module_forward_hook(gpost))
-        self._modes = [_Function(self), _Dispatch(self)]
-        for mode in self._modes:
-            mode.__enter__()
+        self._mode = _Dispatch(self)
+        self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for mode in reversed(self._modes):
-            mode.__exit__(*exc)
-        self._modes = []
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
         for h in self._handles:
             h.remove()
         self._handles = []
-        self.stack.clear()
+        self._stack.clear()
+        self._node_module.clear()

@@ -2,8 +2,9 @@
 
 A capture never holds code. The run's ``run.json`` names a recipe (``module:function``) in the
 run's working directory, and the replay imports it: that executes the file. It is imported only
-when ``run.json``, the capture and every file of the recipe module under the working directory are
-owned by the current user (or root) and writable by no one else; ``trust=True`` overrides with a
+when ``run.json``, the capture, every file of the recipe module under the working directory (the
+package ``__init__.py`` files along its path and the module itself) and the folders holding them
+are owned by the current user (or root) and writable by no one else; ``trust=True`` overrides with a
 warning (for a colleague's run you have read).
 """
 
@@ -31,13 +32,18 @@ class RecipeError(Exception):
 
 
 def check_owned(path: Path) -> None:
-    """Raise :class:`UntrustedError` unless ``path`` is owned by us (or root) and not group/other-writable."""
+    """Raise :class:`UntrustedError` unless ``path`` is owned by us (or root) and not group/other-writable.
+
+    A directory with the sticky bit (``/tmp``) may be writable by others: they cannot replace
+    what we own in it.
+    """
     st = path.stat()
     me = os.getuid()
     if st.st_uid not in (me, 0):
         raise UntrustedError(f"{path} is owned by uid {st.st_uid}, not by you (uid {me}); replay "
                              "would execute code it names. Inspect it, then pass --trust")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    sticky_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky_dir:
         raise UntrustedError(f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
                              f"another user could have changed it. Run `chmod go-w {path}` or pass --trust")
 
@@ -70,7 +76,10 @@ def load_recipe_factory(recipe: str, cwd: str, *, trust: bool, named_by: list[Pa
     """
     mod_name, _, fn_name = recipe.partition(":")
     cwd_path = Path(cwd)
-    files = _module_files(cwd_path, mod_name) + list(named_by)
+    mod_files = _module_files(cwd_path, mod_name)
+    # The folders holding the module files too: whoever can write there can swap the files.
+    dirs = list(dict.fromkeys(f.parent for f in mod_files))
+    files = mod_files + dirs + list(named_by)
     if trust:
         log.warning("sentineld: --trust given: importing %s without ownership checks", recipe)
     else:

@@ -19,8 +19,10 @@ Nothing is pickled: trees are JSON and tensors are datasets. A capture is writte
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,8 @@ __all__ = [
     "Capture",
     "open_capture",
     "capture_name",
+    "write_step",
+    "write_snapshot",
 ]
 
 SCHEMA_VERSION = 1
@@ -86,7 +90,10 @@ def _tensor_to_numpy(t: Any) -> tuple[np.ndarray, str]:
 
 def _numpy_to_tensor(arr: np.ndarray, dtype: str) -> Any:
     torch = _torch()
-    t = torch.from_numpy(np.array(arr))  # copy: h5py buffers are not writable tensors
+    a = np.asarray(arr)
+    if not a.flags.writeable:  # h5py returns fresh writable arrays: copy only when it did not
+        a = a.copy()
+    t = torch.from_numpy(a)
     if dtype in _NUMPY_UNSUPPORTED:
         t = t.view(getattr(torch, dtype))
     return t
@@ -99,6 +106,46 @@ def _write_tree(group: Any, tree: Any) -> None:
         arr, dtype = _tensor_to_numpy(t)
         ds = group.create_dataset(str(i), data=arr)
         ds.attrs["torch_dtype"] = dtype
+
+
+def write_step(group: Any, st: CaptureStep) -> None:
+    """Write one step's batch and RNG state into an HDF5 group (layout of ``/steps/<step>``)."""
+    _write_tree(group.create_group("batch"), st.batch)
+    if st.rng is not None:
+        from sentineld.rng import rng_to_json  # noqa: PLC0415
+
+        meta, arrays = rng_to_json(dict(st.rng))
+        group.create_dataset("rng_meta", data=json.dumps(meta))
+        rg = group.create_group("rng")
+        for name, arr in arrays.items():
+            rg.create_dataset(name, data=arr)
+
+
+def write_snapshot(group: Any, snapshot: Mapping[str, Any]) -> None:
+    """Write a state snapshot into an HDF5 group (layout of ``/snapshot``)."""
+    _write_tree(group, dict(snapshot))
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or directory by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def disk_full_error(exc: BaseException, where: Path, what: str) -> OSError | None:
+    """A clear ``OSError(ENOSPC)`` for an h5py/OS error caused by a full disk, else None."""
+    if not isinstance(exc, OSError):
+        return None
+    if exc.errno != errno.ENOSPC and "No space left" not in str(exc) and "errno = 28" not in str(exc):
+        return None
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        free = -1
+    return OSError(errno.ENOSPC, f"no space left on device in {where} ({free} bytes free); {what}")
 
 
 def _read_tree(group: Any) -> Any:
@@ -140,7 +187,8 @@ def write_capture(
         grads: parameter name -> gradient tensor at ``first_step`` (optional evidence).
 
     Raises:
-        OSError: the file cannot be written (disk full, permissions); the temp file is removed.
+        OSError: the file cannot be written (permissions; a full disk gives ``errno.ENOSPC`` and a
+            message saying so); the temp file is removed.
         TreeCodecError: a state dict holds an object that has no JSON form.
     """
     import h5py  # noqa: PLC0415
@@ -154,19 +202,10 @@ def write_capture(
                 first_step=first_step, snapshot_step=snapshot_step, created_s=time.time(),
                 message=message, torch_version=str(_torch().__version__),
             )
-            _write_tree(f.create_group("snapshot"), dict(snapshot))
+            write_snapshot(f.create_group("snapshot"), snapshot)
             sg = f.create_group("steps")
             for st in steps:
-                g = sg.create_group(str(st.step))
-                _write_tree(g.create_group("batch"), st.batch)
-                if st.rng is not None:
-                    from sentineld.rng import rng_to_json  # noqa: PLC0415
-
-                    meta, arrays = rng_to_json(dict(st.rng))
-                    g.create_dataset("rng_meta", data=json.dumps(meta))
-                    rg = g.create_group("rng")
-                    for name, arr in arrays.items():
-                        rg.create_dataset(name, data=arr)
+                write_step(sg.create_group(str(st.step)), st)
             f.create_dataset("records", data=json.dumps(list(records)))
             if grads:
                 gg = f.create_group("grads")
@@ -174,20 +213,15 @@ def write_capture(
                     arr, dtype = _tensor_to_numpy(t)
                     gg.create_dataset(name, data=arr).attrs["torch_dtype"] = dtype
             f.flush()
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(tmp)
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except BaseException:
+        fsync_path(path.parent)
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        full = disk_full_error(exc, path.parent, f"capture {path.name} not written")
+        if full is not None:
+            raise full from None
         raise
     return path
 
@@ -202,8 +236,8 @@ class Capture:
     def __init__(self, path: Path, h5: Any) -> None:
         self.path = path
         self._f = h5
-        a = h5.attrs
         try:
+            a = h5.attrs
             self.schema_version = int(a["schema_version"])
             self.run_id = str(a["run_id"])
             self.rank = int(a["rank"])
@@ -212,9 +246,12 @@ class Capture:
             self.snapshot_step = int(a["snapshot_step"])
             self.message = str(a.get("message", ""))
             self.created_s = float(a.get("created_s", 0.0))
-        except (KeyError, ValueError, TypeError) as exc:
+        except KeyError as exc:
             raise CaptureError(f"{path}: not a sentineld capture (missing attribute {exc}); "
                                "pass a capture-*.h5 written by sentineld.agent") from None
+        except Exception as exc:  # noqa: BLE001 - h5py/numpy on a damaged file raise many types
+            raise CaptureError(f"{path}: not a readable sentineld capture ({type(exc).__name__}: "
+                               f"{exc}); the file is damaged, use another capture of this run") from None
 
     def __enter__(self) -> "Capture":
         return self
@@ -228,8 +265,12 @@ class Capture:
 
     @property
     def steps(self) -> list[int]:
-        """Recorded step indices, ascending."""
-        return sorted(int(k) for k in self._f["steps"].keys())
+        """Recorded step indices, ascending.
+
+        Raises:
+            CaptureError: the steps group is damaged.
+        """
+        return self._guard(lambda: sorted(int(k) for k in self._f["steps"].keys()), "steps")
 
     def snapshot(self) -> dict[str, Any]:
         """The state dicts before ``snapshot_step`` (CPU tensors)."""
@@ -241,7 +282,7 @@ class Capture:
         Raises:
             CaptureError: the step is not in this capture (the message lists the steps that are).
         """
-        if str(step) not in self._f["steps"]:
+        if not self._guard(lambda: str(step) in self._f["steps"], "steps"):
             have = self.steps
             span = f"{have[0]}..{have[-1]}" if have else "none"
             raise CaptureError(f"step {step} is not in capture {self.path.name}; it holds steps {span}")
@@ -265,7 +306,7 @@ class Capture:
 
     def grads(self) -> dict[str, Any]:
         """Gradients at ``first_step`` as recorded, by parameter name ({} if not stored)."""
-        if "grads" not in self._f:
+        if not self._guard(lambda: "grads" in self._f, "grads"):
             return {}
         return self._guard(lambda: {k: _numpy_to_tensor(v[()], str(v.attrs["torch_dtype"]))
                                     for k, v in self._f["grads"].items()}, "grads")
@@ -275,7 +316,7 @@ class Capture:
             return fn()
         except CaptureError:
             raise
-        except (KeyError, OSError, ValueError, TypeError, TreeCodecError, json.JSONDecodeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - h5py/numpy on a damaged file raise many types
             raise CaptureError(f"{self.path}: {what} is unreadable ({type(exc).__name__}: {exc}); "
                                "the capture is damaged, use another capture of this run") from None
 
@@ -289,11 +330,15 @@ def open_capture(path: str | os.PathLike[str]) -> Capture:
     import h5py  # noqa: PLC0415
 
     path = Path(path)
-    if not path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError as exc:
+        raise CaptureError(f"{path}: cannot be read ({exc})") from None
+    if not is_file:
         raise CaptureError(f"{path}: no such capture file")
     try:
         f = h5py.File(path, "r")
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - OSError mostly; h5py raises others on odd files
         raise CaptureError(f"{path}: cannot open as HDF5 ({exc}); the file is truncated or not a "
                            "capture. Captures are written atomically, so a damaged one was altered "
                            "after writing: use another capture of this run") from None
@@ -303,9 +348,16 @@ def open_capture(path: str | os.PathLike[str]) -> Capture:
             raise CaptureError(f"{path}: capture schema version {cap.schema_version} is not "
                                f"supported (this sentineld reads version {SCHEMA_VERSION}); "
                                "replay it with the sentineld version that wrote it")
-        if "steps" not in f or "snapshot" not in f:
+        try:
+            has_groups = "steps" in f and "snapshot" in f
+        except Exception as exc:  # noqa: BLE001
+            raise CaptureError(f"{path}: capture is damaged ({type(exc).__name__}: {exc})") from None
+        if not has_groups:
             raise CaptureError(f"{path}: capture lacks its snapshot or steps group; it is damaged")
     except BaseException:
-        f.close()
+        try:
+            f.close()
+        except Exception:  # noqa: BLE001
+            pass
         raise
     return cap

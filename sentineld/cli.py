@@ -105,17 +105,21 @@ def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, 
             "--runs-dir", str(cfg.runs_dir), "--state-dir", str(cfg.state_dir)]
     if config_path:
         args += ["--config", config_path]
-    for u in notify:
-        args += ["--notify", u]
+    # URLs go through the environment, not argv: /proc/<pid>/cmdline is readable by every user,
+    # /proc/<pid>/environ only by the owner, and URLs may hold passwords and tokens.
+    env = dict(os.environ)
+    if notify:
+        env["SENTINELD_NOTIFY"] = " ".join(notify)
     if alertmanager_url:
-        args += ["--alertmanager-url", alertmanager_url]
+        env["SENTINELD_ALERTMANAGER_URL"] = alertmanager_url
     if metrics_port is not None:
         args += ["--metrics-port", str(metrics_port)]
     if no_replay:
         args.append("--no-replay")
     log_path = cfg.state_dir / "daemon.log"
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    proc = subprocess.Popen(args, stdout=fd, stderr=fd, stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(args, stdout=fd, stderr=fd, stdin=subprocess.DEVNULL, start_new_session=True,
+                            env=env)
     os.close(fd)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
@@ -204,6 +208,8 @@ def runs(runs_dir: str | None, as_json: bool) -> None:
     for d in sorted(p for p in rd.iterdir() if p.is_dir()) if rd.is_dir() else []:
         rw = RunWatch(d)
         rw.poll()
+        while rw.behind:
+            rw.poll()
         try:
             meta = read_run_meta(d)
             err = None
@@ -226,6 +232,38 @@ def runs(runs_dir: str | None, as_json: bool) -> None:
         t.add_row(r["run_id"], ",".join(map(str, r["ranks"])), str(r["last_step"]), r["state"],
                   str(len(r["captures"])), (r["error"] or "")[:60])
     Console().print(t)
+
+
+@cli.command()
+@click.argument("run")
+@click.option("--runs-dir", type=click.Path(file_okay=False), default=None)
+def recover(run: str, runs_dir: str | None) -> None:
+    """Turn the on-disk rings of RUN's dead training processes into crash captures.
+
+    A run with ``disk_ring=True`` that was killed without warning (SIGKILL, the OOM killer)
+    leaves ``ring-rank<R>-<pid>/`` behind; the daemon recovers it on its own, this does it
+    without a daemon. Rings of live processes are left alone.
+    """
+    from .diskring import recover_run  # noqa: PLC0415
+    from .rundir import RunDirError, resolve_run  # noqa: PLC0415
+
+    try:
+        rd = runs_dir
+        if rd is None:
+            try:
+                rd = str(load_config().runs_dir)
+            except ConfigError:
+                rd = None
+        run_dir = resolve_run(run, rd)
+        caps = recover_run(run_dir, who="sentineld recover")
+    except RunDirError as exc:
+        _fail(str(exc))
+    except OSError as exc:
+        _fail(f"cannot write the crash capture: {exc}")
+    for c in caps:
+        click.echo(str(c))
+    if not caps:
+        click.echo(f"no on-disk ring of a dead process in {run_dir}")
 
 
 # --------------------------------------------------------------------- replay

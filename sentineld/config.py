@@ -71,6 +71,9 @@ class DaemonConfig:
         poll_s: seconds between rescans of the runs dir (file events wake it sooner).
         polling_observer: use stat polling instead of inotify (NFS, CIFS).
         retry_initial_s / retry_max_s: delivery backoff, doubling from initial to max.
+        alert_interval_s: a signature that fires again in the same run within this many seconds
+            of its last alert is tracked but not notified, nor is its recovery (rate limit per
+            run and signature; 600 = one alert per flapping signature per 10 minutes).
         window: per-rank records kept for signatures.
         signatures: overrides for :class:`sentineld.signatures.SignatureConfig`.
     """
@@ -88,10 +91,13 @@ class DaemonConfig:
     polling_observer: bool = False
     retry_initial_s: float = 2.0
     retry_max_s: float = 300.0
+    alert_interval_s: float = 600.0
     window: int = 200
     signatures: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name), f.type)
         object.__setattr__(self, "runs_dir", Path(self.runs_dir).expanduser())
         object.__setattr__(self, "state_dir", Path(self.state_dir).expanduser())
         object.__setattr__(self, "notify", tuple(self.notify))
@@ -102,6 +108,32 @@ class DaemonConfig:
             raise ConfigError(f"metrics_port must be -1, 0 or a TCP port, got {self.metrics_port}")
         if self.window < 10:
             raise ConfigError(f"window must be >= 10 records, got {self.window}")
+        if self.alert_interval_s < 0:
+            raise ConfigError(f"alert_interval_s must be >= 0 seconds, got {self.alert_interval_s!r}")
+        if self.replay_memory_bytes < 0:
+            raise ConfigError(f"replay_memory_bytes must be >= 0 (0 = no limit), got {self.replay_memory_bytes}")
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "Path": (str, os.PathLike), "tuple[str, ...]": (list, tuple), "str | None": (str, type(None)),
+    "bool": (bool,), "float": (int, float), "int": (int,), "str": (str,),
+    "Mapping[str, Any]": (dict, Mapping),
+}
+
+
+def _check_type(name: str, value: Any, annotation: Any) -> None:
+    """Raise ConfigError naming ``name`` when ``value`` is not of the field's type."""
+    want = _TYPES.get(str(annotation))
+    if want is None:
+        return
+    ok = isinstance(value, want) and (not isinstance(value, bool) or bool in want)
+    if ok and str(annotation) == "tuple[str, ...]":
+        ok = all(isinstance(u, str) for u in value)
+    if not ok:
+        kind = {"Path": "a path (string)", "tuple[str, ...]": "a list of URL strings",
+                "str | None": "a string", "bool": "true or false", "float": "a number",
+                "int": "an integer", "str": "a string", "Mapping[str, Any]": "a table"}[str(annotation)]
+        raise ConfigError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
 
 
 def _split_urls(text: str) -> tuple[str, ...]:
@@ -149,6 +181,9 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
         cfg = DaemonConfig(**values)
     except TypeError as exc:
         raise ConfigError(f"bad setting: {exc}") from None
+    except ConfigError as exc:
+        where = f"config file {cfg_path}: " if cfg_path is not None else ""
+        raise ConfigError(f"{where}{exc}") from None
     if cfg.signatures:
         try:
             from sentineld.signatures import SignatureConfig  # noqa: PLC0415

@@ -3,13 +3,25 @@
 Threads, each waiting on the stop event with a timeout (never a bare sleep):
 
 - main: on file events (watchdog) or every ``poll_s``, polls each run (:class:`RunWatch`),
-  evaluates signatures over each rank's window, enqueues alerts and recovery notices in the
-  outbox, queues replays for new captures, and writes ``status.json``;
-- delivery: sends due outbox notifications (retry with backoff);
-- replay: runs one replay subprocess at a time and enqueues its verdict.
+  evaluates signatures over each rank's window (a stream that is behind is read in bounded
+  chunks, each evaluated), enqueues alerts and recovery notices in the outbox, queues replays
+  for new captures and recoveries for on-disk rings of dead processes, and writes
+  ``status.json``;
+- delivery: sends due outbox notifications (retry with backoff; crash protocol in
+  :mod:`sentineld.delivery`);
+- replay: runs one replay subprocess at a time (timeout, memory limit) and enqueues its verdict;
+- recover: turns the on-disk ring of a training process that died without closing (SIGKILL,
+  OOM killer) into a ``crash`` capture (:mod:`sentineld.diskring`), which is then replayed.
 
-Exactly-once per incident comes from the outbox's deterministic ids plus saved per-run progress
-(stream offsets, active signatures, captures seen) and per-capture replay records.
+Once per incident comes from the outbox's deterministic ids plus saved per-run progress
+(stream offsets, the window's start, active signatures, captures seen) and per-capture replay
+records. An alert is in the outbox before the progress that says it was sent is saved, so a
+crash between the two repeats the enqueue (a no-op), never loses the alert. A signature of a run
+that fires again within ``alert_interval_s`` of its last alert is tracked but not notified again
+(nor is its recovery).
+
+Everything the daemon writes is private (umask 077 while it runs: directories 0700, files 0600),
+and secrets in notification URLs never reach a log line, ``status.json`` or the outbox.
 """
 
 from __future__ import annotations
@@ -30,7 +42,8 @@ from typing import Any, Callable
 from filelock import FileLock, Timeout
 
 from .config import DaemonConfig
-from .delivery import LOG_TARGET, deliver_due, redact_url
+from .delivery import LOG_TARGET, Destination, SecretFilter, deliver_due, destinations, url_secrets
+from .diskring import recover_ring, ring_state
 from .messages import alert_text, recovery_text, replay_failed_text, verdict_text
 from .outbox import Notification, Outbox, notification_id
 from .replayer import ReplayOutcome, run_replay_subprocess
@@ -43,9 +56,42 @@ log = logging.getLogger("sentineld.daemon")
 
 #: Seconds between signature evaluations of a run that wrote nothing new (for ``stalled``).
 IDLE_EVAL_S = 10.0
+
+#: Seconds one run may hold the main loop while catching up before the others get a turn.
+CATCH_UP_SLICE_S = 0.5
+
+#: Seconds a new run directory may lack its run.json before that is reported.
+RUN_JSON_GRACE_S = 10.0
+
+#: Seconds before a failed ring recovery is tried again.
+RECOVER_RETRY_S = 60.0
 #: Seconds a multi-rank run's new alert waits for the other ranks' streams (our measurement: DDP
 #: ranks on one host flush their NaN step within ~0.3 s of each other).
 RANK_GRACE_S = 2.0
+
+
+def _active(d: dict[str, Any]) -> Active:
+    return Active(**{k: v for k, v in d.items() if k in Active.__dataclass_fields__})
+
+
+def _destination_secret(state_dir: Path) -> bytes:
+    """The state dir's random key for destination ids (created 0600 on first use)."""
+    path = state_dir / "destinations.key"
+    try:
+        key = path.read_bytes()
+        if len(key) >= 16:
+            return key
+    except OSError:
+        pass
+    key = os.urandom(32)
+    tmp = path.with_name("destinations.key.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return key
 
 
 class AlreadyRunning(Exception):
@@ -89,14 +135,22 @@ class Daemon:
         self.wake = threading.Event()
         self.state_dir = make_private_dir(config.state_dir)
         self.outbox = Outbox(self.state_dir / "outbox")
-        self.progress_dir = make_private_dir(self.state_dir / "runs")
+        self.progress_dir = make_private_dir(self.state_dir / "progress")
         self.replays_dir = make_private_dir(self.state_dir / "replays")
         self.runs: dict[str, RunWatch] = {}
         self.replay_queue: queue.Queue[tuple[RunWatch, Path]] = queue.Queue()
+        self.recover_queue: queue.Queue[tuple[RunWatch, Path]] = queue.Queue()
         self.started_s = clock()
         self.alerts_sent = 0
+        self.alerts_suppressed = 0
+        self.resent_in_doubt = 0
         self.replays_run = 0
+        self.rings_recovered = 0
         self.delivery_failures = 0
+        self.dests: list[Destination] = destinations(config.notify, _destination_secret(self.state_dir))
+        self.secrets = SecretFilter(set().union(*(url_secrets(u) for u in config.notify),
+                                                url_secrets(config.alertmanager_url or "")))
+        self._recovering: dict[str, float] = {}
         self.metrics_port: int | None = None
         self._dirty: set[Path] = set()
         self._dirty_lock = threading.Lock()
@@ -182,7 +236,14 @@ class Daemon:
         Raises:
             AlreadyRunning: another daemon uses this state dir.
         """
-        lock = FileLock(str(self.state_dir / "daemon.lock"))
+        old_umask = os.umask(0o077)  # everything we create: dirs 0700, files 0600
+        try:
+            self._run(install_signals)
+        finally:
+            os.umask(old_umask)
+
+    def _run(self, install_signals: bool) -> None:
+        lock = FileLock(str(self.state_dir / "daemon.lock"), mode=0o600)
         try:
             lock.acquire(timeout=0)
         except Timeout:
@@ -192,7 +253,13 @@ class Daemon:
         pidfile = self.state_dir / "daemon.pid"
         with ExitStack() as stack:
             stack.callback(lock.release)
-            pidfile.write_text(f"{os.getpid()}\n")
+            for h in logging.getLogger().handlers:
+                if self.secrets not in h.filters:
+                    h.addFilter(self.secrets)
+                    stack.callback(h.removeFilter, self.secrets)
+            fd = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{os.getpid()}\n")
             stack.callback(lambda: pidfile.unlink(missing_ok=True))
             if install_signals and threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, self.stop)
@@ -209,11 +276,12 @@ class Daemon:
                 from .alertmanager import ActiveAlerts  # noqa: PLC0415
 
                 self._am = ActiveAlerts(resend_s=60.0)
-            urls = ", ".join(redact_url(u) for u in self.cfg.notify) or "none (notifications log only)"
+            urls = ", ".join(d.shown for d in self.dests) or "none (notifications log only)"
             log.info("sentineld daemon %d watching %s; state %s; notify: %s", os.getpid(),
                      self.cfg.runs_dir, self.state_dir, urls)
             threads = [threading.Thread(target=self._guard, args=(fn,), name=name, daemon=True)
-                       for name, fn in (("delivery", self._delivery_loop), ("replay", self._replay_loop))]
+                       for name, fn in (("delivery", self._delivery_loop), ("replay", self._replay_loop),
+                                        ("recover", self._recover_loop))]
             for t in threads:
                 t.start()
             self._guard(self._main_loop)
@@ -274,7 +342,7 @@ class Daemon:
                 if self._am is not None:
                     # Alertmanager forgets alerts that are not re-sent: restore what was firing.
                     for act in rw.active.values():
-                        a = Active(**act)
+                        a = _active(act)
                         title, body = alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step,
                                                  a.message, a.numbers, a.fix, a.module)
                         self._am_fire(rw, a, title, body)
@@ -285,17 +353,37 @@ class Daemon:
         return self.progress_dir / f"{notification_id(str(run_dir))}.json"
 
     def _process(self, run_dir: Path) -> None:
-        if not run_dir.is_dir():
+        try:
+            if not run_dir.is_dir():
+                return
+        except OSError:
             return
         rw = self._watch(run_dir)
-        had_error = rw.error
-        new, caps = rw.poll()
-        if rw.error and rw.error != had_error:
-            log.warning("run %s: %s (still watching the other runs)", run_dir.name, rw.error)
-        if new:
-            self._evaluate(rw)
-        for cap in caps:
-            rw.captures_seen.add(cap.name)
+        t0 = time.monotonic()
+        changed = False
+        while True:
+            new, caps = rw.poll(max_records=max(1, self.cfg.window // 2))
+            more = rw.behind
+            if new:
+                self._evaluate(rw, live=not more)
+            for cap in caps:
+                rw.captures_seen.add(cap.name)
+            changed |= bool(new or caps)
+            if not more:
+                break
+            if time.monotonic() - t0 > CATCH_UP_SLICE_S:
+                with self._dirty_lock:  # come back right after the other runs had a turn
+                    self._dirty.add(run_dir)
+                self.wake.set()
+                break
+        if rw.error and not self._young(run_dir, rw):
+            if rw.error != rw.reported_error:
+                log.warning("run %s: %s (still watching the other runs)", run_dir.name, rw.error)
+                rw.reported_error = rw.error
+        elif not rw.error and rw.reported_error:
+            log.info("run %s: readable again", run_dir.name)
+            rw.reported_error = None
+        self._check_rings(rw)
         if self.cfg.replay and rw.meta is not None:
             # Also after a restart: a capture seen before whose replay never finished runs again.
             for name in sorted(rw.captures_seen):
@@ -304,8 +392,33 @@ class Daemon:
                 if key not in self._queued and cap.exists() and not self._replay_record(rw, cap).exists():
                     self._queued.add(key)
                     self.replay_queue.put((rw, cap))
-        if new or caps:
+        if changed:
             save_progress(self._progress_path(run_dir), rw)
+
+    def _young(self, run_dir: Path, rw: RunWatch) -> bool:
+        """True for a run directory created moments ago whose run.json is not written yet."""
+        if rw.meta is not None:
+            return False
+        try:
+            return time.time() - run_dir.stat().st_mtime < RUN_JSON_GRACE_S
+        except OSError:
+            return False
+
+    def _check_rings(self, rw: RunWatch) -> None:
+        """Queue the recovery of on-disk rings whose training process is gone."""
+        now = time.monotonic()
+        for d in rw.ring_dirs():
+            key = str(d)
+            if now < self._recovering.get(key, 0.0) or ring_state(d) != "dead":
+                continue
+            try:
+                host = json.loads((d / "meta.json").read_text()).get("host")
+            except (OSError, ValueError, AttributeError):
+                host = None
+            self._recovering[key] = float("inf")
+            if host and host != socket.gethostname():
+                continue  # the daemon on its own host recovers it (flock is host-local)
+            self.recover_queue.put((rw, d))
 
     def _idle_evaluations(self) -> None:
         now = self.clock()
@@ -315,7 +428,9 @@ class Daemon:
             if now - self._last_eval.get(str(rw.run_dir), 0.0) >= IDLE_EVAL_S:
                 self._evaluate(rw)
 
-    def _evaluate(self, rw: RunWatch) -> None:
+    def _evaluate(self, rw: RunWatch, live: bool = True) -> None:
+        """Evaluate the signatures over ``rw``'s windows; ``live`` is False while catching up on
+        old records (then ``stalled`` is not judged against the current time)."""
         from .signatures import evaluate  # noqa: PLC0415
 
         now = self.clock()
@@ -324,7 +439,7 @@ class Daemon:
         for rank, window in rw.records.items():
             if not window:
                 continue
-            now_s = None if rank in rw.ended else now
+            now_s = None if (rank in rw.ended or not live) else now
             per_rank[rank] = evaluate(list(window), self._sig_config, now_s=now_s,
                                       num_classes=rw.meta.num_classes if rw.meta else None)
         if not per_rank:
@@ -337,6 +452,16 @@ class Daemon:
                 ranks.extend(r for r in a.ranks if r not in ranks)
         multi_rank = rw.meta is not None and rw.meta.world_size > 1
         for a in fired:
+            last_s = rw.last_alert_s.get(a.key)
+            if last_s is not None and now - last_s < self.cfg.alert_interval_s:
+                # Rate limit: tracked (status, gauge, Alertmanager) but not notified, nor its recovery.
+                rw.active[a.key] = {**asdict(a), "notified": True, "suppressed": True}
+                self.alerts_suppressed += 1
+                self._am_fire(rw, a, *alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step,
+                                                 a.message, a.numbers, a.fix, a.module))
+                log.info("run %s: %s fired again at step %d within %g s of its last alert: not "
+                         "notified (alert_interval_s)", rw.run_id, a.key, a.step, self.cfg.alert_interval_s)
+                continue
             rw.active[a.key] = asdict(a)
             if multi_rank:
                 # Ranks of one job fail within moments of each other: wait briefly so the one
@@ -346,8 +471,12 @@ class Daemon:
                 self._alert(rw, a)
         last = max(rw.last_step.values(), default=0)
         for key in cleared:
-            a = Active(**rw.active.pop(key))
-            if self._held.pop((str(rw.run_dir), key), None) is None:
+            d = rw.active.pop(key)
+            a = _active(d)
+            held = self._held.pop((str(rw.run_dir), key), None) is not None
+            if d.get("suppressed"):
+                self._am_resolve(rw, a)
+            elif not held:
                 self._recovery(rw, a, last)  # a held alert that cleared was never sent
         if fired or cleared:
             save_progress(self._progress_path(rw.run_dir), rw)
@@ -363,7 +492,7 @@ class Daemon:
             if rw is not None and key in rw.active:
                 self._process(rw.run_dir)  # read what the other ranks wrote meanwhile
                 if key in rw.active:
-                    self._alert(rw, Active(**rw.active[key]))
+                    self._alert(rw, _active(rw.active[key]))
 
     def _update_active_gauge(self, rw: RunWatch) -> None:
         g = self._metrics.get("active")
@@ -376,7 +505,7 @@ class Daemon:
     # ------------------------------------------------------------ notifying
     def _targets(self) -> dict[str, str]:
         t = {LOG_TARGET: "pending"}
-        t.update({str(i): "pending" for i in range(len(self.cfg.notify))})
+        t.update({d.key: "pending" for d in self.dests})
         return t
 
     def _enqueue(self, note: Notification) -> None:
@@ -390,16 +519,19 @@ class Daemon:
         self._delivery_wake.set()
 
     def _alert(self, rw: RunWatch, a: Active) -> None:
-        if a.key in rw.active:
-            rw.active[a.key]["notified"] = True
-            save_progress(self._progress_path(rw.run_dir), rw)
         host = rw.meta.host if rw.meta else ""
         title, body = alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step, a.message,
                                  a.numbers, a.fix, a.module, host)
         nid = notification_id(rw.run_id, a.signature, a.module or "", a.step)
+        # Outbox first (fsynced), then the progress that says it was sent: a crash in between
+        # repeats the enqueue after the restart (same id: a no-op), never loses the alert.
         self._enqueue(Notification(id=nid, kind="alert", title=title, body=body, severity=a.severity,
                                    run=rw.run_id, signature=a.signature, step=a.step,
                                    data={"ranks": a.ranks, "numbers": a.numbers, "module": a.module}))
+        rw.last_alert_s[a.key] = self.clock()
+        if a.key in rw.active:
+            rw.active[a.key]["notified"] = True
+            save_progress(self._progress_path(rw.run_dir), rw)
         self._am_fire(rw, a, title, body)
         log.info("run %s: %s %s at step %d (ranks %s)", rw.run_id, a.severity, a.signature, a.step, a.ranks)
 
@@ -408,6 +540,9 @@ class Daemon:
         nid = notification_id(rw.run_id, a.signature, a.module or "", a.step, "recovered")
         self._enqueue(Notification(id=nid, kind="recovery", title=title, body=body, severity="info",
                                    run=rw.run_id, signature=a.signature, step=step))
+        self._am_resolve(rw, a)
+
+    def _am_resolve(self, rw: RunWatch, a: Active) -> None:
         if self._am is not None:
             from .alertmanager import alert_labels  # noqa: PLC0415
 
@@ -427,9 +562,11 @@ class Daemon:
 
     def _delivery_loop(self) -> None:
         while not self.stop_event.is_set():
-            sent, failed = deliver_due(self.outbox, self.cfg.notify, self.state_dir / "notifications.jsonl",
-                                       initial_s=self.cfg.retry_initial_s, max_s=self.cfg.retry_max_s,
-                                       clock=self.clock)
+            res = deliver_due(self.outbox, self.dests, self.state_dir / "notifications.jsonl",
+                              initial_s=self.cfg.retry_initial_s, max_s=self.cfg.retry_max_s,
+                              clock=self.clock, scrub=self.secrets.scrub, stop=self.stop_event.is_set)
+            sent, failed = res.delivered, res.failed
+            self.resent_in_doubt += res.resent
             self.alerts_sent += sent
             self.delivery_failures += failed
             if self._metrics:
@@ -463,8 +600,12 @@ class Daemon:
             if record.exists() or rw.meta is None:
                 continue
             log.info("run %s: replaying %s", rw.run_id, cap.name)
-            outcome = run_replay_subprocess(rw.meta, rw.run_dir, cap, timeout_s=self.cfg.replay_timeout_s,
-                                            memory_bytes=self.cfg.replay_memory_bytes)
+            try:
+                outcome = run_replay_subprocess(rw.meta, rw.run_dir, cap, timeout_s=self.cfg.replay_timeout_s,
+                                                memory_bytes=self.cfg.replay_memory_bytes,
+                                                scratch_dir=self.replays_dir)
+            except OSError as exc:  # the interpreter vanished, no fds left, ...
+                outcome = ReplayOutcome("failed", None, f"cannot start the replay: {exc}", 0.0, None)
             if self.stop_event.is_set() and outcome.result in ("failed", "timeout"):
                 self._queued.discard(str(cap))
                 return  # cut short by our own shutdown: it runs again after a restart
@@ -488,11 +629,38 @@ class Daemon:
                                 data={"result": outcome.result, "reason": outcome.reason})
         self._enqueue(note)
         tmp = record.with_name(record.name + ".tmp")
-        tmp.write_text(json.dumps({"capture": str(cap), "result": outcome.result,
-                                   "elapsed_s": outcome.elapsed_s, "exit_code": outcome.exit_code,
-                                   "reason": outcome.reason, "report": outcome.report}, allow_nan=True))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"capture": str(cap), "result": outcome.result, "elapsed_s": outcome.elapsed_s,
+                       "exit_code": outcome.exit_code, "reason": outcome.reason,
+                       "report": outcome.report}, f, allow_nan=True)
         os.replace(tmp, record)
         log.info("run %s: replay %s -> %s in %.1f s", rw.run_id, cap.name, outcome.result, outcome.elapsed_s)
+
+    # ------------------------------------------------------------- recovery
+    def _recover_loop(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                rw, ring = self.recover_queue.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                cap = recover_ring(ring, who=f"the sentineld daemon (pid {os.getpid()})")
+            except Exception as exc:  # noqa: BLE001 - a damaged ring must not stop the daemon
+                log.warning("run %s: cannot turn the on-disk ring %s into a capture (retrying in "
+                            "%g s): %s", rw.run_id, ring.name, RECOVER_RETRY_S, exc)
+                self._recovering[str(ring)] = time.monotonic() + RECOVER_RETRY_S
+                continue
+            if cap is None and ring.exists():  # its writer holds the lock: look again later
+                self._recovering[str(ring)] = time.monotonic() + 1.0
+                continue
+            if cap is not None:
+                self.rings_recovered += 1
+                log.info("run %s: a training process died without closing; crash capture %s "
+                         "assembled from its on-disk ring", rw.run_id, cap.name)
+                with self._dirty_lock:
+                    self._dirty.add(rw.run_dir)
+                self.wake.set()
 
     # --------------------------------------------------------------- status
     def _write_status(self) -> None:
@@ -502,13 +670,16 @@ class Daemon:
                          "last_step": max(rw.last_step.values(), default=None),
                          "ended": {str(k): v for k, v in rw.ended.items()},
                          "active": sorted(rw.active), "captures": len(rw.captures_seen),
-                         "error": rw.error, "bad_lines": rw.bad_lines})
+                         "error": rw.error, "bad_lines": rw.bad_lines,
+                         "agent_warnings": rw.agent_errors[-3:]})
         status = {"pid": os.getpid(), "host": socket.gethostname(), "started_s": self.started_s,
                   "updated_s": self.clock(), "runs_dir": str(self.cfg.runs_dir),
                   "runs_watched": len(self.runs), "alerts_sent": self.alerts_sent,
                   "delivery_failures": self.delivery_failures, "replays_run": self.replays_run,
                   "alerts_pending": self.outbox.pending_count(), "metrics_port": self.metrics_port,
-                  "notify": [redact_url(u) for u in self.cfg.notify], "runs": runs}
+                  "alerts_suppressed": self.alerts_suppressed, "resent_in_doubt": self.resent_in_doubt,
+                  "rings_recovered": self.rings_recovered,
+                  "notify": [d.shown for d in self.dests], "runs": runs}
         if self._metrics:
             self._metrics["runs"].set(len(self.runs))
         path = self.state_dir / "status.json"

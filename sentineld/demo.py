@@ -122,6 +122,9 @@ def run_demo(fault: str, runs_dir: str | None, notify: tuple[str, ...], epochs: 
                 if nonfinite_steps >= 5:
                     break
         watch.close()
+        if nonfinite_steps:
+            con.print(f"training stopped after {nonfinite_steps} non-finite steps (the run is dead; "
+                      "its owner would stop it here too)")
         with torch.no_grad():
             acc = float((model(xte).argmax(1) == yte).float().mean())
         con.print(f"run {run_id}: test accuracy {acc:.3f}, captures {[p.name for p in watch.captures]}")
@@ -143,7 +146,8 @@ def run_demo(fault: str, runs_dir: str | None, notify: tuple[str, ...], epochs: 
             report = v.get("data") or {}
             con.print(f"verdict: phase={report.get('phase')} module={report.get('module')} "
                       f"op={report.get('op')} step={report.get('step')} reproduced={report.get('reproduced')}")
-            con.print(f"replay it yourself: sentineld replay {rd / run_id} --json")
+            con.print(f"replay it yourself: {Path(sys.executable).parent / 'sentineld'} replay "
+                      f"{rd / run_id} --json")
             return 0 if report.get("phase") not in (None, "none") else 1
         con.print(f"[red]no verdict within {timeout_s:g} s; see {state_dir / 'daemon.log'}[/red]")
         return 1

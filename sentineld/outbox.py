@@ -1,10 +1,22 @@
 """The persistent outbox: every notification is on disk before any delivery is tried.
 
-One JSON file per notification under ``<state_dir>/outbox/``, named by a deterministic id
-(run, signature, step): enqueueing the same incident again (after a daemon restart re-reads a
-stream) finds the file and does nothing, so an incident is notified once. Delivery state is kept
-per destination, so a destination that failed is retried (with doubling backoff) without sending
-again to the ones that already took it. Files are replaced atomically (temp + rename).
+One JSON file per notification, named by a deterministic id (run, signature, step): enqueueing the
+same incident again (after a daemon restart re-reads a stream) finds the file and does nothing, so
+an incident is notified once. Pending notifications live in ``<state_dir>/outbox/``; once every
+destination took one it moves (one atomic rename) to ``outbox/delivered/``, so the delivery loop
+only ever reads the pending ones.
+
+Delivery state is kept per destination (``targets``: destination key -> state):
+
+- ``pending``: not sent yet, or the last attempt failed (retried with doubling backoff);
+- ``sending``: written and fsynced *before* the send starts. A daemon that finds this state after
+  a restart knows it died during that send and cannot know whether the destination took it: the
+  delivery layer then decides per destination (see :mod:`sentineld.delivery`);
+- ``delivered``: the destination took it; never sent there again;
+- ``dropped``: the destination is no longer configured.
+
+Every write is temp file + fsync + rename, so a SIGKILL at any point leaves the previous or the new
+state, never a torn file.
 """
 
 from __future__ import annotations
@@ -13,11 +25,13 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["Notification", "Outbox", "notification_id"]
+__all__ = ["Notification", "Outbox", "notification_id", "PENDING", "SENDING", "DELIVERED", "DROPPED"]
+
+PENDING, SENDING, DELIVERED, DROPPED = "pending", "sending", "delivered", "dropped"
 
 
 def notification_id(*parts: object) -> str:
@@ -32,13 +46,15 @@ class Notification:
     """One message to deliver.
 
     Attributes:
-        id: see :func:`notification_id`.
+        id: see :func:`notification_id`; also shown to receivers (body footer, ``X-Sentineld-Id``).
         kind: ``alert`` | ``recovery`` | ``verdict``.
         title, body: the text (never holds a destination URL or secret).
         severity: ``critical`` | ``warning`` | ``info``.
         run, signature, step: what it is about.
         data: machine-readable details (the verdict JSON for ``verdict``).
-        targets: destination index (into the daemon's URL list) -> ``pending`` | ``delivered``.
+        targets: destination key -> ``pending`` | ``sending`` | ``delivered`` | ``dropped``.
+        resent: destination key -> times it was sent again after a daemon died during its send
+            (each such copy is marked as a possible repeat, with the same id).
         attempts, next_attempt_s, created_s, delivered_s, last_error: delivery bookkeeping.
     """
 
@@ -52,6 +68,7 @@ class Notification:
     step: int | None = None
     data: dict[str, Any] = field(default_factory=dict)
     targets: dict[str, str] = field(default_factory=dict)
+    resent: dict[str, int] = field(default_factory=dict)
     attempts: int = 0
     next_attempt_s: float = 0.0
     created_s: float = 0.0
@@ -61,11 +78,38 @@ class Notification:
     @property
     def pending(self) -> bool:
         """True while some destination has not taken it."""
-        return any(v != "delivered" for v in self.targets.values())
+        return any(v not in (DELIVERED, DROPPED) for v in self.targets.values())
+
+
+_FIELDS = {f.name for f in fields(Notification)}
+
+
+def _write_atomic(path: Path, obj: Any, durable: bool = True) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, allow_nan=True)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class Outbox:
-    """Notifications on disk under ``directory``.
+    """Notifications on disk under ``directory`` (pending) and ``directory/delivered``.
 
     Args:
         directory: created 0700 if missing.
@@ -73,48 +117,81 @@ class Outbox:
 
     def __init__(self, directory: Path) -> None:
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.done_dir = self.dir / "delivered"
+        for d in (self.dir, self.done_dir):
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(d, 0o700)
+        for stale in self.dir.glob("*.json.tmp"):  # a save cut short by a crash: the old file stands
+            stale.unlink(missing_ok=True)
 
     def _path(self, nid: str) -> Path:
         return self.dir / f"{nid}.json"
 
+    def _done_path(self, nid: str) -> Path:
+        return self.done_dir / f"{nid}.json"
+
+    def known(self, nid: str) -> bool:
+        """True when a notification with this id was ever stored (pending or delivered)."""
+        return self._path(nid).exists() or self._done_path(nid).exists()
+
     def add(self, note: Notification) -> bool:
         """Store ``note`` unless one with its id exists; True when stored (i.e. new)."""
-        path = self._path(note.id)
-        if path.exists():
+        if self.known(note.id):
             return False
         self.save(note)
+        _fsync_dir(self.dir)
         return True
 
-    def save(self, note: Notification) -> None:
-        """Write ``note`` atomically (0600)."""
-        path = self._path(note.id)
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(note), f, allow_nan=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+    def save(self, note: Notification, durable: bool = True) -> None:
+        """Write ``note`` atomically (0600, temp + rename).
 
-    def load(self, nid: str) -> Notification | None:
-        """The stored notification, or None if absent or unreadable."""
+        Args:
+            durable: fsync before the rename, so the state survives a power loss too. Without
+                it the write still survives the death of the process (it is in the page cache),
+                and it is much faster: used for the ``delivered`` mark right after a send, where
+                every millisecond is a millisecond in which a SIGKILL causes a repeat.
+        """
+        _write_atomic(self._path(note.id), asdict(note), durable)
+
+    def finish(self, note: Notification) -> None:
+        """Save ``note`` (every destination settled) and move it to ``delivered/`` in one rename."""
+        self.save(note)
+        os.replace(self._path(note.id), self._done_path(note.id))
+        _fsync_dir(self.dir)
+
+    @staticmethod
+    def _read(path: Path) -> Notification | None:
         try:
-            return Notification(**json.loads(self._path(nid).read_text()))
+            obj = json.loads(path.read_text())
+            if not isinstance(obj, dict):
+                return None
+            return Notification(**{k: v for k, v in obj.items() if k in _FIELDS})
         except (OSError, ValueError, TypeError):
             return None
 
+    def load(self, nid: str) -> Notification | None:
+        """The stored notification (pending or delivered), or None if absent or unreadable."""
+        return self._read(self._path(nid)) or self._read(self._done_path(nid))
+
     def __iter__(self) -> Iterator[Notification]:
+        """Pending notifications."""
         for path in sorted(self.dir.glob("*.json")):
-            note = self.load(path.stem)
+            note = self._read(path)
+            if note is not None:
+                yield note
+
+    def delivered(self) -> Iterator[Notification]:
+        """Notifications every destination took."""
+        for path in sorted(self.done_dir.glob("*.json")):
+            note = self._read(path)
             if note is not None:
                 yield note
 
     def due(self, now_s: float) -> list[Notification]:
         """Pending notifications whose next attempt time has come, oldest first."""
-        out = [n for n in self if n.pending and n.next_attempt_s <= now_s]
-        return sorted(out, key=lambda n: n.created_s)
+        out = [n for n in self if n.next_attempt_s <= now_s]
+        return sorted(out, key=lambda n: (n.created_s, n.id))
 
     def pending_count(self) -> int:
         """Notifications some destination has not taken yet."""
-        return sum(1 for n in self if n.pending)
+        return sum(1 for _ in self.dir.glob("*.json"))

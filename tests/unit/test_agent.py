@@ -186,3 +186,21 @@ def test_agent_import_does_not_pull_daemon_dependencies():
 def test_config_defaults_are_valid():
     cfg = AgentConfig()
     assert cfg.metrics_addr == "127.0.0.1" and cfg.snapshot_every == 0 and cfg.window >= 2 * cfg.min_snapshot_every
+
+
+def test_reused_run_id_gets_a_fresh_directory(tmp_path):
+    """Regression: re-running a script with run_id="exp1" appended to the old stream and
+    overwrote its capture, so the daemon saw no new incident."""
+    ids = []
+    for _ in range(3):
+        m, o = _model()
+        watch = attach(m, o, run_id="exp1", runs_dir=tmp_path, metrics_port=0)
+        _train(m, o, watch, 2)
+        watch.close()
+        ids.append(watch.run_id)
+    assert ids == ["exp1", "exp1.2", "exp1.3"]
+    assert all(len([x for x in _stream_of(tmp_path / i) if x["kind"] == "start"]) == 1 for i in ids)
+
+
+def _stream_of(run_dir):
+    return [json.loads(x) for x in (run_dir / "stream-rank0.jsonl").read_text().splitlines()]

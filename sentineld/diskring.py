@@ -1,0 +1,395 @@
+"""The on-disk ring: the agent's ring buffer persisted as it is taken, so a run killed without
+warning (SIGKILL, the OOM killer) still leaves what a crash capture needs.
+
+Layout, one directory per training process (``<run_dir>/ring-rank<R>-<pid>/``)::
+
+    lock                  flock'ed by the writing process for its whole life (the kernel drops
+                          it when the process dies, however it dies)
+    meta.json             run_id, rank, pid, host, torch_version, window
+    snap-<S>.h5           snapshot S (the state before step S), layout of a capture's /snapshot
+    step-<n>.h5           step n: batch, RNG state (layout of /steps/<n>), attr ``record`` (JSON)
+
+Each file is written to ``*.tmp`` and renamed, so it is whole or absent: page-cache writes
+survive the death of the process (not of the machine; nothing is fsynced, which keeps the
+per-step cost low). Bounded on disk like the RAM ring: the two newest snapshots, and at most
+``window`` steps, none older than the older snapshot.
+
+A clean ``close`` deletes the directory. One left behind whose ``lock`` is free belongs to a dead
+process: :func:`recover_ring` (run by the daemon on the training host, or ``sentineld recover``)
+turns it into ``capture-rank<R>-step<N>-crash.h5`` (snapshot S, steps S..N, records from the step
+files and the stream) and deletes it. Nothing here imports torch except to write tensors.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import queue
+import re
+import shutil
+import socket
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable
+
+from .capture import (SCHEMA_VERSION, CaptureStep, capture_name, disk_full_error, fsync_path,
+                      write_snapshot, write_step)
+from .stream import read_stream
+
+__all__ = ["DiskRingWriter", "ring_state", "recover_ring", "recover_run", "RING_PREFIX"]
+
+log = logging.getLogger("sentineld.diskring")
+
+RING_PREFIX = "ring-rank"
+_SNAP = re.compile(r"^snap-(\d+)\.h5$")
+_STEP = re.compile(r"^step-(\d+)\.h5$")
+_DIR = re.compile(r"^ring-rank(\d+)-(\d+)(?:-\d+)?$")
+
+
+def _write_h5(path: Path, fill: Callable[[Any], None]) -> int:
+    """Write an HDF5 file atomically (tmp + rename, 0600, no fsync); return its size in bytes."""
+    import h5py  # noqa: PLC0415
+
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with h5py.File(tmp, "w", libver=("v110", "v110")) as f:
+            fill(f)
+        os.chmod(tmp, 0o600)
+        size = tmp.stat().st_size
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size
+
+
+class DiskRingWriter:
+    """Persist snapshots and steps under ``run_dir`` from a background thread.
+
+    The training thread only queues references to host copies it already made (bounded queue of
+    ``window`` items; when the disk falls behind, items are dropped and counted, never waited
+    for). One warning is logged for the first write that fails (e.g. a full disk); training goes
+    on and later writes are still tried.
+
+    Args:
+        run_dir: the run directory.
+        rank: this process's rank.
+        window: most steps kept on disk.
+        meta: extra JSON-ready fields for ``meta.json`` (run_id, torch_version, ...).
+        on_warning: called once with the warning text (the agent puts it in the stream).
+
+    Raises:
+        OSError: the directory or its lock cannot be created.
+    """
+
+    def __init__(self, run_dir: Path, rank: int, window: int, meta: dict[str, Any] | None = None,
+                 on_warning: Callable[[str], None] | None = None) -> None:
+        base = f"{RING_PREFIX}{rank}-{os.getpid()}"
+        d, n = run_dir / base, 0
+        while d.exists():  # a dead process with our pid left one: keep it for recovery
+            n += 1
+            d = run_dir / f"{base}-{n}"
+        # Built under a hidden name and renamed once locked: a watcher never sees the ring
+        # without its lock held (it would take the ring for a dead process's).
+        init = run_dir / f".{d.name}.init"
+        shutil.rmtree(init, ignore_errors=True)
+        init.mkdir(mode=0o700)
+        self._lock_fd = os.open(init / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        info = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "window": window,
+                **(meta or {})}
+        fd = os.open(init / "meta.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(info, f)
+        os.rename(init, d)
+        self.dir = d
+        self.window = window
+        self.dropped = 0
+        self.written = 0
+        self.failures = 0
+        self._on_warning = on_warning
+        self._warned = False
+        self._snaps: list[int] = []
+        self._steps: list[int] = []
+        self._max_items = max(2, window)
+        self._items: deque[tuple[str, Any, Any]] = deque()
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._busy = False
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="sentineld-diskring", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ producer
+    def add_snapshot(self, snap: Any) -> None:
+        """Queue a snapshot (an object with ``step``, ``state`` and ``wait()``)."""
+        self._put(("snap", snap, None))
+
+    def add_step(self, entry: Any, event: Any = None) -> None:
+        """Queue a step (an object with ``step``, ``batch``, ``rng``, ``record``); ``event``
+        completes when its device-to-host copies landed (None on CPU)."""
+        self._put(("step", entry, event))
+
+    def _put(self, item: tuple[str, Any, Any]) -> None:
+        # Lock-free (deque append, SimpleQueue put): safe from a signal handler on this thread.
+        if len(self._items) >= self._max_items:
+            self.dropped += 1
+            return
+        self._items.append(item)
+        self._wake.put(None)
+
+    # -------------------------------------------------------------- writer
+    def _run(self) -> None:
+        while True:
+            try:
+                self._wake.get(timeout=1.0)
+            except queue.Empty:
+                pass
+            while True:
+                self._busy = True
+                try:
+                    kind, obj, event = self._items.popleft()
+                except IndexError:
+                    self._busy = False
+                    break
+                try:
+                    if kind == "snap":
+                        self._write_snap(obj)
+                    else:
+                        self._write_step(obj, event)
+                    self.written += 1
+                except Exception as exc:  # noqa: BLE001 - disk full etc.: training goes on
+                    self.failures += 1
+                    self._warn(exc)
+                finally:
+                    self._busy = False
+            if self._stop:
+                return
+
+    def _warn(self, exc: BaseException) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        full = disk_full_error(exc, self.dir, "the on-disk ring skips writes until space frees")
+        text = (f"on-disk ring {self.dir.name}: write failed: {full or exc} (training continues; a "
+                "crash capture after SIGKILL may cover fewer steps)")
+        log.warning("sentineld: %s", text)
+        if self._on_warning is not None:
+            try:
+                self._on_warning(text)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _write_snap(self, snap: Any) -> None:
+        snap.wait()
+        step = int(snap.step)
+        _write_h5(self.dir / f"snap-{step:09d}.h5",
+                  lambda f: (f.attrs.__setitem__("step", step), write_snapshot(f.create_group("snapshot"), snap.state)))
+        self._snaps.append(step)
+        while len(self._snaps) > 2:
+            old = self._snaps.pop(0)
+            (self.dir / f"snap-{old:09d}.h5").unlink(missing_ok=True)
+        self._prune()
+
+    def _write_step(self, entry: Any, event: Any) -> None:
+        if event is not None:
+            event.synchronize()
+        step = int(entry.step)
+        record = entry.record
+
+        def fill(f: Any) -> None:
+            f.attrs["step"] = step
+            if record is not None:
+                f.attrs["record"] = json.dumps(record)
+            write_step(f, CaptureStep(step, entry.batch, entry.rng))
+
+        _write_h5(self.dir / f"step-{step:09d}.h5", fill)
+        self._steps.append(step)
+        self._prune()
+
+    def _prune(self) -> None:
+        oldest = self._snaps[0] if self._snaps else None
+        while self._steps and (len(self._steps) > self.window or
+                               (oldest is not None and self._steps[0] < oldest)):
+            old = self._steps.pop(0)
+            (self.dir / f"step-{old:09d}.h5").unlink(missing_ok=True)
+
+    # ------------------------------------------------------------ lifetime
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until what is queued now is on disk (at most ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while (self._items or self._busy) and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.002)
+
+    def close(self, remove: bool = True, timeout_s: float = 30.0) -> None:
+        """Stop the writer; delete the directory when ``remove`` (a clean end), else leave it for
+        :func:`recover_ring`. Releases the lock either way."""
+        self._stop = True
+        self._wake.put(None)
+        self._thread.join(timeout_s)
+        if remove:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            os.close(self._lock_fd)
+        except OSError:
+            pass
+
+
+# --------------------------------------------------------------- recovery
+def ring_state(ring_dir: Path) -> str:
+    """``alive`` (its writer holds the lock), ``dead`` (lock free: the writer is gone) or
+    ``unknown`` (no lock file: not a ring, or one still being created)."""
+    try:
+        fd = os.open(ring_dir / "lock", os.O_RDWR)
+    except OSError:
+        return "unknown"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return "alive"
+        return "unknown"
+    finally:
+        os.close(fd)
+    return "dead"
+
+
+def _records_from_stream(run_dir: Path, rank: int, lo: int, hi: int) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    path = run_dir / f"stream-rank{rank}.jsonl"
+    offset = 0
+    try:
+        while True:
+            objs, new, _bad = read_stream(path, offset, 4 << 20)
+            if new == offset:
+                break
+            offset = new
+            for o in objs:
+                if o.get("kind") == "step" and isinstance(o.get("step"), int) and lo <= o["step"] <= hi:
+                    out[o["step"]] = o
+    except OSError:
+        pass
+    return out
+
+
+def recover_ring(ring_dir: Path, who: str = "sentineld") -> Path | None:
+    """Turn a dead process's ring directory into a ``crash`` capture next to it; delete the ring.
+
+    Returns:
+        The capture's path, or None when the writer is alive (the directory stays), or the ring
+        holds no snapshot followed by a step (nothing to replay; the directory is deleted).
+
+    Raises:
+        OSError: the capture cannot be written (the ring is kept for another try).
+    """
+    import h5py  # noqa: PLC0415
+
+    ring_dir = Path(ring_dir)
+    m = _DIR.match(ring_dir.name)
+    run_dir = ring_dir.parent
+    try:
+        fd = os.open(ring_dir / "lock", os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return None  # alive, or another recovery runs
+        try:
+            meta = json.loads((ring_dir / "meta.json").read_text())
+            meta = meta if isinstance(meta, dict) else {}
+        except (OSError, ValueError):
+            meta = {}
+        try:
+            rank = int(meta.get("rank", m.group(1) if m else 0))
+        except (TypeError, ValueError):
+            rank = int(m.group(1)) if m else 0
+        snaps, steps = set(), set()
+        for p in ring_dir.iterdir():
+            if p.name.endswith(".tmp"):
+                p.unlink(missing_ok=True)  # cut short by the kill
+            elif (sm := _SNAP.match(p.name)):
+                snaps.add(int(sm.group(1)))
+            elif (st := _STEP.match(p.name)):
+                steps.add(int(st.group(1)))
+        chosen = None
+        for s in sorted(snaps, reverse=True):
+            if s in steps:
+                last = s
+                while last + 1 in steps:
+                    last += 1
+                chosen = (s, last)
+                break
+        if chosen is None:
+            log.warning("on-disk ring %s holds no snapshot followed by its steps; nothing to recover",
+                        ring_dir)
+            shutil.rmtree(ring_dir, ignore_errors=True)
+            return None
+        first, last = chosen
+        path = run_dir / capture_name(rank, last, "crash")
+        if not path.exists():
+            _assemble(h5py, ring_dir, path, meta, rank, first, last, who)
+        shutil.rmtree(ring_dir, ignore_errors=True)
+        return path
+    finally:
+        os.close(fd)
+
+
+def _assemble(h5py: Any, ring_dir: Path, path: Path, meta: dict[str, Any], rank: int, first: int,
+              last: int, who: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    stream_recs = _records_from_stream(path.parent, rank, first, last)
+    records = []
+    try:
+        with h5py.File(tmp, "w") as f:
+            f.attrs.update(
+                schema_version=SCHEMA_VERSION, run_id=str(meta.get("run_id", path.parent.name)),
+                rank=rank, trigger="crash", first_step=last, snapshot_step=first, created_s=time.time(),
+                message=(f"process {meta.get('pid', '?')} died without closing the agent (SIGKILL, "
+                         f"the OOM killer?); assembled from its on-disk ring by {who}"),
+                torch_version=str(meta.get("torch_version", "")))
+            with h5py.File(ring_dir / f"snap-{first:09d}.h5", "r") as src:
+                src.copy(src["snapshot"], f, "snapshot")
+            sg = f.create_group("steps")
+            for n in range(first, last + 1):
+                with h5py.File(ring_dir / f"step-{n:09d}.h5", "r") as src:
+                    g = sg.create_group(str(n))
+                    for name in src:
+                        src.copy(src[name], g, name)
+                    rec = src.attrs.get("record")
+                rec_obj = None
+                if rec is not None:
+                    try:
+                        rec_obj = json.loads(rec)
+                    except (TypeError, ValueError):
+                        rec_obj = None
+                rec_obj = rec_obj if isinstance(rec_obj, dict) else stream_recs.get(n)
+                if rec_obj is not None:
+                    records.append(rec_obj)
+            f.create_dataset("records", data=json.dumps(records))
+        fsync_path(tmp)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+        fsync_path(path.parent)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        full = disk_full_error(exc, path.parent, f"crash capture {path.name} not assembled")
+        if full is not None:
+            raise full from None
+        raise
+
+
+def recover_run(run_dir: Path, who: str = "sentineld") -> list[Path]:
+    """Recover every dead ring of a run directory; returns the captures written or found."""
+    out = []
+    for d in sorted(Path(run_dir).glob(f"{RING_PREFIX}*")):
+        if d.is_dir() and ring_state(d) == "dead":
+            p = recover_ring(d, who)
+            if p is not None:
+                out.append(p)
+    return out

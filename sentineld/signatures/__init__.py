@@ -1,0 +1,48 @@
+"""Signatures: the debugging method's checklist as live detectors over per-step records.
+
+Pure functions, no I/O, no torch: the same code runs in the daemon (on every new record of a
+run's stream) and in the agent. Usage::
+
+    from sentineld.signatures import SignatureConfig, evaluate
+
+    cfg = SignatureConfig.from_mapping({"stalled": {"threshold_s": 600}})
+    for verdict in evaluate(window, cfg, now_s=time.time(), num_classes=10):
+        print(verdict.severity, verdict.signature, verdict.step, verdict.message)
+
+One module per detector family: ``numerics`` (nonfinite, loss_scale_collapse), ``loss``
+(divergence_spike, divergence_growth, plateau, oscillation, initial_loss), ``gradients``
+(exploding_gradients, vanishing_gradients, missing_gradients, forgotten_zero_grad), ``updates``
+(gradients_not_applied, update_ratio), ``activations`` (dead_relu, saturated_activation),
+``liveness`` (stalled).
+"""
+
+from .activations import (DeadReluConfig, SaturationConfig, detect_dead_relu,
+                          detect_saturated_activation)
+from .base import SIGNATURES, Severity, Verdict
+from .config import SignatureConfig
+from .evaluate import evaluate
+from .gradients import (ExplodingConfig, MissingGradientsConfig, VanishingConfig, ZeroGradConfig,
+                        detect_exploding_gradients, detect_forgotten_zero_grad,
+                        detect_missing_gradients, detect_vanishing_gradients)
+from .liveness import StalledConfig, detect_stalled
+from .loss import (DivergenceGrowthConfig, DivergenceSpikeConfig, InitialLossConfig,
+                   OscillationConfig, PlateauConfig, detect_divergence_growth,
+                   detect_divergence_spike, detect_initial_loss, detect_oscillation,
+                   detect_plateau)
+from .numerics import (LossScaleConfig, NonfiniteConfig, detect_loss_scale_collapse,
+                       detect_nonfinite)
+from .updates import (NotAppliedConfig, UpdateRatioConfig, detect_gradients_not_applied,
+                      detect_update_ratio)
+
+__all__ = [
+    "evaluate", "Verdict", "Severity", "SIGNATURES", "SignatureConfig",
+    "NonfiniteConfig", "LossScaleConfig", "DivergenceSpikeConfig", "DivergenceGrowthConfig",
+    "PlateauConfig", "OscillationConfig", "InitialLossConfig", "ExplodingConfig",
+    "VanishingConfig", "MissingGradientsConfig", "ZeroGradConfig", "NotAppliedConfig",
+    "UpdateRatioConfig", "DeadReluConfig", "SaturationConfig", "StalledConfig",
+    "detect_nonfinite", "detect_loss_scale_collapse", "detect_divergence_spike",
+    "detect_divergence_growth", "detect_plateau", "detect_oscillation", "detect_initial_loss",
+    "detect_exploding_gradients", "detect_vanishing_gradients", "detect_missing_gradients",
+    "detect_forgotten_zero_grad", "detect_gradients_not_applied", "detect_update_ratio",
+    "detect_dead_relu", "detect_saturated_activation", "detect_stalled",
+]

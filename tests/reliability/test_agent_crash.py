@@ -1,0 +1,125 @@
+"""A training process that dies writes its ring buffer as a ``crash`` capture first: by an uncaught
+exception without ``with`` (sys.excepthook), by SIGTERM (preemption; the signal keeps its effect),
+at interpreter exit without ``close()``; and with the on-disk ring, even after SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import REPO, wait_until
+
+from .checks import check_capture, check_stream
+from .conftest import run_once
+
+
+def _captures(run_dir: Path, trigger: str = "") -> list[Path]:
+    return sorted(run_dir.glob(f"capture-*{trigger}.h5"))
+
+
+def _end_reason(run_dir: Path) -> str | None:
+    lines = [json.loads(x) for x in (run_dir / "stream-rank0.jsonl").read_text().splitlines()]
+    ends = [o for o in lines if o.get("kind") == "end"]
+    return ends[-1]["reason"] if ends else None
+
+
+def test_sigterm_writes_crash_capture_and_keeps_the_signals_effect(tmp_path):
+    runs = tmp_path / "runs"
+    base = dict(runs_dir=str(runs), steps=100_000, sleep_s=0.005, marker_step=25,
+                agent={"snapshot_every": 10, "flush_s": 0.05})
+    specs = {
+        "default": dict(base, run_id="term-default", marker=str(tmp_path / "m-default")),
+        "chained": dict(base, run_id="term-chained", marker=str(tmp_path / "m-chained"),
+                        user_sigterm_marker=str(tmp_path / "user-handler-ran")),
+        "ignored": dict(base, run_id="term-ignored", marker=str(tmp_path / "m-ignored"), steps=60),
+    }
+    specs["ignored"]["ignore_sigterm"] = True
+    procs = {k: run_once(s) for k, s in specs.items()}  # concurrently: three torch imports
+    for k, p in procs.items():
+        wait_until(lambda: Path(specs[k]["marker"]).exists() or p.poll() is not None, 120, f"{k} at step 25")
+        p.send_signal(signal.SIGTERM)
+    outs = {k: p.communicate(timeout=120) for k, p in procs.items()}
+
+    # Default action kept: the process still dies by SIGTERM, after writing the capture.
+    assert procs["default"].returncode == -signal.SIGTERM, outs["default"][1].decode()[-2000:]
+    [cap] = _captures(runs / "term-default", "crash")
+    info = check_capture(cap)
+    assert "SIGTERM" in info["message"] and info["first_step"] >= 25
+    assert _end_reason(runs / "term-default") == "terminated"
+    check_stream(runs / "term-default" / "stream-rank0.jsonl")
+
+    # A handler the loop installed before attach still runs (here it exits with 143).
+    assert procs["chained"].returncode == 143, outs["chained"][1].decode()[-2000:]
+    assert (tmp_path / "user-handler-ran").exists()
+    check_capture(_captures(runs / "term-chained", "crash")[0])
+
+    # SIGTERM ignored before attach stays ignored: the run finishes, no crash capture.
+    assert procs["ignored"].returncode == 0, outs["ignored"][1].decode()[-2000:]
+    assert _captures(runs / "term-ignored") == []
+    assert _end_reason(runs / "term-ignored") == "finished"
+
+
+def test_uncaught_exception_without_with_and_exit_without_close(tmp_path):
+    runs = tmp_path / "runs"
+    crash = run_once(dict(run_id="exc", runs_dir=str(runs), steps=40, raise_at=30,
+                          agent={"snapshot_every": 10}))
+    # NaN on the very last step, and the script ends without close(): the incident's capture
+    # (written on a daemon thread) must be finished at exit, not cut off.
+    noclose = run_once(dict(run_id="noclose", runs_dir=str(runs), steps=25, nan_at=24, skip_close=True,
+                            agent={"snapshot_every": 10, "post_steps": 2}))
+    _, err = crash.communicate(timeout=120)
+    assert crash.returncode == 1
+    assert b"RuntimeError: planted failure at step 30" in err  # the previous excepthook still prints it
+    [cap] = _captures(runs / "exc", "crash")
+    info = check_capture(cap)
+    assert info["message"] == "RuntimeError: planted failure at step 30" and info["first_step"] == 29
+    assert _end_reason(runs / "exc") == "crashed"
+
+    _, err = noclose.communicate(timeout=120)
+    assert noclose.returncode == 0, err.decode()[-2000:]
+    [cap] = _captures(runs / "noclose", "nonfinite")
+    assert check_capture(cap)["first_step"] == 24
+    assert not list((runs / "noclose").glob("*.tmp"))
+    assert _end_reason(runs / "noclose") == "finished"
+
+
+def test_disk_ring_sigkill_leaves_a_replayable_crash_capture(tmp_path):
+    """SIGKILL (what the OOM killer sends) gives no chance to write anything: with
+    ``disk_ring=True`` the ring is already on disk, and ``sentineld recover`` (or the daemon)
+    turns it into a crash capture that the replay rebuilds bit for bit."""
+    runs = tmp_path / "runs"
+    marker = tmp_path / "at-step"
+    p = run_once(dict(run_id="ring", runs_dir=str(runs), steps=100_000, sleep_s=0.005, marker=str(marker),
+                      marker_step=47, recipe="tests.reliability.zygote:make_recipe", hidden=64,
+                      agent={"snapshot_every": 10, "window": 32, "disk_ring": True, "flush_s": 0.05}))
+    wait_until(lambda: marker.exists() or p.poll() is not None, 120, "step 47")
+    time.sleep(0.3)
+    ring = next((runs / "ring").glob("ring-rank0-*"))
+    # Bounded on disk: at most 2 snapshots and `window` steps.
+    assert len(list(ring.glob("snap-*.h5"))) <= 2 and len(list(ring.glob("step-*.h5"))) <= 32
+    p.send_signal(signal.SIGKILL)
+    p.communicate(timeout=30)
+    assert p.returncode == -signal.SIGKILL
+    assert _captures(runs / "ring") == []  # the process wrote nothing on its way out
+
+    out = subprocess.run([sys.executable, "-m", "sentineld", "recover", str(runs / "ring")], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    [cap] = _captures(runs / "ring", "crash")
+    info = check_capture(cap)
+    last = check_stream(runs / "ring" / "stream-rank0.jsonl")[-1]["step"]
+    assert info["first_step"] >= last - 1 and info["first_step"] >= 47  # at most the step in flight is lost
+    assert info["snapshot_step"] % 10 == 0 and "on-disk ring" in info["message"]
+    assert info["records"] == len(info["steps"])
+    assert not (ring.exists())
+
+    rep = subprocess.run([sys.executable, "-m", "sentineld", "replay", str(runs / "ring"), "--capture", str(cap),
+                          "--json"], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert rep.returncode == 0, rep.stderr
+    report = json.loads(rep.stdout)
+    assert report["reproduced"] is True and report["phase"] == "none"
+    assert report["step"] == info["first_step"]

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from sentineld.capture import CaptureError, open_capture
+from sentineld.capture import CaptureError, first_rank_capture, open_capture
 from sentineld.recipe import Recipe
 from sentineld.rundir import RunDirError, RunMeta, list_captures, read_run_meta
 
@@ -43,8 +43,9 @@ class NotReproducedError(Exception):
     """Kept for callers that want to raise on a non-reproduced report (the CLI uses exit code 1)."""
 
 
-def find_capture(run_dir: Path, step: int | None) -> Path:
-    """The capture holding ``step`` (or the earliest incident capture when ``step`` is None).
+def find_capture(run_dir: Path, step: int | None, rank: int | None = None) -> Path:
+    """The capture holding ``step`` (or the earliest incident capture when ``step`` is None); in a
+    multi-rank run, the rank that went non-finite first (or ``rank`` when given).
 
     Raises:
         ReplayError: the run has no capture, or none holds ``step`` (lists the steps that exist).
@@ -53,9 +54,15 @@ def find_capture(run_dir: Path, step: int | None) -> Path:
     if not caps:
         raise ReplayError(f"{run_dir}: no capture-*.h5 in this run; a capture is written when the "
                           "agent sees a non-finite loss, grad norm or learning rate, or on a crash")
+    if rank is not None:
+        caps = [c for c in caps if c[0] == rank]
+        if not caps:
+            raise ReplayError(f"{run_dir}: no capture of rank {rank}; ranks with captures: "
+                              f"{sorted({c[0] for c in list_captures(run_dir)})}")
     if step is None:
         incidents = [c for c in caps if c[2] == "nonfinite"] or caps
-        return incidents[0][3]
+        first = [c for c in incidents if c[1] == incidents[0][1]]
+        return first_rank_capture(first)
     spans = []
     for _rank, _n, _trigger, path in caps:
         try:
@@ -96,7 +103,7 @@ def _build(factory: Callable[..., Any], spec: str, args: dict[str, Any]) -> Reci
 
 
 def replay_run(run_dir: str | Path, step: int | None = None, *, recipe: str | None = None,
-               trust: bool = False, capture: str | Path | None = None) -> Report:
+               trust: bool = False, capture: str | Path | None = None, rank: int | None = None) -> Report:
     """Replay a run's offending step and return the verdict.
 
     Args:
@@ -115,7 +122,7 @@ def replay_run(run_dir: str | Path, step: int | None = None, *, recipe: str | No
             message saying what to do (never another exception type).
     """
     try:
-        return _replay(Path(run_dir), step, recipe, trust, capture)
+        return _replay(Path(run_dir), step, recipe, trust, capture, rank)
     except (ReplayError, CaptureError, RunDirError, RecipeError, UntrustedError):
         raise
     except RebuildError as exc:
@@ -125,10 +132,10 @@ def replay_run(run_dir: str | Path, step: int | None = None, *, recipe: str | No
 
 
 def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
-            capture: str | Path | None) -> Report:
+            capture: str | Path | None, rank: int | None = None) -> Report:
     t0 = time.perf_counter()
     meta = read_run_meta(run_dir)
-    cap_path = Path(capture) if capture else find_capture(run_dir, step)
+    cap_path = Path(capture) if capture else find_capture(run_dir, step, rank)
     with open_capture(cap_path) as cap:
         steps = cap.steps
         target = cap.first_step if step is None else step

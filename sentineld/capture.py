@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import time
@@ -361,3 +362,27 @@ def open_capture(path: str | os.PathLike[str]) -> Capture:
             pass
         raise
     return cap
+
+
+def first_rank_capture(same_step: Sequence[tuple[int, int, str, Path]]) -> Path:
+    """Among captures ``(rank, step, trigger, path)`` of one incident step, the rank that made it.
+
+    In data-parallel training every rank's gradient is non-finite after the all-reduce, but only
+    the rank whose own forward went non-finite has a non-finite loss at that step; fall back to
+    the lowest rank.
+
+    Raises:
+        ValueError: ``same_step`` is empty.
+    """
+    if not same_step:
+        raise ValueError("no capture to choose from")
+    for _rank, step, _trigger, path in sorted(same_step):
+        try:
+            with open_capture(path) as cap:
+                rec = next((r for r in cap.records() if r.get("step") == step), None)
+        except CaptureError:
+            continue
+        loss = rec.get("loss") if isinstance(rec, dict) else None
+        if isinstance(loss, (int, float)) and not math.isfinite(loss):
+            return path
+    return sorted(same_step)[0][3]

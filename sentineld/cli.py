@@ -274,15 +274,17 @@ def recover(run: str, runs_dir: str | None) -> None:
 @click.option("--recipe", default=None, help="module:function building the Recipe (overrides run.json).")
 @click.option("--capture", type=click.Path(dir_okay=False), default=None, help="Use this capture file.")
 @click.option("--trust", is_flag=True, help="Import the recipe even if another user could have written it.")
+@click.option("--rank", type=int, default=None,
+              help="Replay this rank's capture (default: the rank whose own loss went non-finite first).")
 @click.option("--runs-dir", type=click.Path(file_okay=False), default=None)
 def replay(run: str, step: int | None, as_json: bool, recipe: str | None, capture: str | None,
-           trust: bool, runs_dir: str | None) -> None:
+           trust: bool, rank: int | None, runs_dir: str | None) -> None:
     """Rebuild RUN (an id or a directory) before the offending step and name where it broke."""
-    _replay(run, step, as_json, recipe, capture, trust, runs_dir)
+    _replay(run, step, as_json, recipe, capture, trust, runs_dir, rank)
 
 
 def _replay(run: str, step: int | None, as_json: bool, recipe: str | None, capture: str | None,
-            trust: bool, runs_dir: str | None) -> None:
+            trust: bool, runs_dir: str | None, rank: int | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="sentineld: %(message)s", stream=sys.stderr)
     from .capture import CaptureError  # noqa: PLC0415
     from .rundir import RunDirError, resolve_run  # noqa: PLC0415
@@ -298,7 +300,7 @@ def _replay(run: str, step: int | None, as_json: bool, recipe: str | None, captu
             except ConfigError:
                 rd = None
         run_dir = resolve_run(run, rd)
-        report = replay_run(run_dir, step, recipe=recipe, trust=trust, capture=capture)
+        report = replay_run(run_dir, step, recipe=recipe, trust=trust, capture=capture, rank=rank)
     except (RunDirError, CaptureError) as exc:
         _fail(str(exc))
     except Exception as exc:  # noqa: BLE001

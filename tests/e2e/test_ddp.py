@@ -46,3 +46,19 @@ def test_ddp_ranks_stream_capture_and_alert_as_one_run(daemon_factory):
     assert len(notes) == 1, notes  # one alert for the run, not one per rank
     assert notes[0]["data"]["ranks"] == [1, 0] or sorted(notes[0]["data"]["ranks"]) == [0, 1]
     assert "rank(s): 0,1" in notes[0]["body"]
+
+
+@pytest.mark.slow
+def test_ddp_replay_names_the_rank_whose_own_loss_went_nonfinite(tmp_path):
+    runs = tmp_path / "runs"
+    subprocess.run([sys.executable, str(DDP), str(runs), "ddp-replay", str(get_free_port()), "3", "6"],
+                   cwd=REPO, check=True, timeout=180)
+    out = subprocess.run([sys.executable, "-m", "sentineld", "replay", str(runs / "ddp-replay"), "--json"],
+                         cwd=REPO, capture_output=True, text=True, timeout=180)
+    report = json.loads(out.stdout)
+    assert report["rank"] == 1 and report["step"] == 3
+    assert report["phase"] == "data" and report["evidence"]["samples"] == [3]
+    # Rank 0's capture of the same step shows only the all-reduced NaN gradient.
+    out0 = subprocess.run([sys.executable, "-m", "sentineld", "replay", str(runs / "ddp-replay"), "--rank", "0",
+                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert json.loads(out0.stdout)["rank"] == 0

@@ -150,7 +150,8 @@ class ProbeHandle:
         Returns:
             True when this step is sampled (``step % every == 0``).
         """
-        self._reset()
+        if self._active:
+            self._reset()          # a sampled step whose collect() never came
         self._step = step
         self._active = self.enabled and step % self.every == 0
         return self._active
@@ -262,7 +263,11 @@ class ProbeHandle:
             self._stepped = True
             with torch.no_grad():
                 before = [self._before[id(p)] for p in params]
-                diffs = torch._foreach_sub([p.detach() for p in params], before)
+                after = [p.detach() for p in params]
+                try:
+                    diffs = torch._foreach_sub(after, before)
+                except (RuntimeError, TypeError):      # mixed devices/dtypes: one by one
+                    diffs = [a - b for a, b in zip(after, before)]
                 for p, n in zip(params, _norms(diffs)):
                     self._delta[id(p)] = n
             for p in params:
@@ -288,6 +293,7 @@ class ProbeHandle:
             log.warning("sentineld: layer probes switched off after an internal error: %r", exc)
         self.enabled = False
         self._active = False
+        self._reset()
 
     def _collect(self) -> dict[str, LayerStats]:
         vals: list[torch.Tensor] = []   # every figure, read back in one transfer
@@ -308,10 +314,12 @@ class ProbeHandle:
             missing = [p for _, ps in self._param_mods for p in ps
                        if id(p) not in self._gnorm and p.grad is not None]
             late = dict(zip((id(p) for p in missing), _norms([p.grad for p in missing])))
+            all_params = [p for _, ps in self._param_mods for p in ps]
+            now_norms = iter(_norms([p.detach() for p in all_params]))   # one fused call
             for name, params in self._param_mods:
                 g = [self._gnorm.get(id(p), late.get(id(p))) for p in params]
                 g = [x for x in g if x is not None]
-                w = _norms([p.detach() for p in params])
+                w = [next(now_norms) for _ in params]
                 entry = {"grad": [slot(x) for x in g], "w": [slot(x) for x in w]}
                 if self._optimizers:
                     entry["wb"] = [slot(self._wbefore.get(id(p), wn)) for p, wn in zip(params, w)]
@@ -320,7 +328,9 @@ class ProbeHandle:
             host: list[float] = []
             if vals:
                 dev = vals[0].device
-                host = torch.stack([v.reshape(()).to(dev, torch.float32) for v in vals]).tolist()
+                if any(v.device != dev or v.dtype != torch.float32 for v in vals):
+                    vals = [v.to(dev, torch.float32) for v in vals]
+                host = torch.stack(vals).tolist()     # the one device-to-host transfer
 
         def l2(idx: list[int]) -> float | None:
             xs = [host[i] for i in idx if i >= 0]

@@ -213,6 +213,7 @@ class Watch:
         self._step_started = False
         self._rng: dict[str, Any] | None = None
         self._grads_carried: bool | None = None
+        self._probe_checked = False
         self._gnorm: torch.Tensor | None = None
         self._pre_hook_ran = False
         self._pending: deque[_Pending] = deque()
@@ -221,12 +222,22 @@ class Watch:
         self._finite_streak = 0
         self._capture_threads: list[threading.Thread] = []
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self._probe_param = min((p for p in model.parameters() if p.requires_grad),
+        opt_params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self._probe_param = min((p for p in model.parameters() if p.requires_grad and id(p) in opt_params),
                                 key=lambda p: p.numel(), default=None)
         self._hooks = [
             model.register_forward_pre_hook(self._on_forward),
             optimizer.register_step_pre_hook(self._on_optimizer_step),
         ]
+        if self._probe_param is not None and not self._accumulating:
+            # Old gradient still in .grad when this step's gradient arrives = not zeroed. Checked
+            # here, not at the forward, so zero_grad() between forward and backward is fine.
+            self._hooks.append(self._probe_param.register_hook(self._on_probe_grad))
+        self._probes = None
+        if self.config.layer_every > 0:
+            from .probes import attach_probes  # noqa: PLC0415
+
+            self._probes = attach_probes(self._inner, optimizer, every=self.config.layer_every)
         _EXITS.register(self)
 
     # ----------------------------------------------------------------- hooks
@@ -238,12 +249,22 @@ class Watch:
             if self._snapshot_due:
                 self._take_snapshot(self._n)
             self._rng = capture_rng()
-            p = self._probe_param
-            if self._accumulating or p is None or p.device.type != "cpu":
-                self._grads_carried = None
-            else:
-                self._grads_carried = p.grad is not None and bool(p.grad.any())
+            self._grads_carried = None
+            self._probe_checked = False
+            if self._probes is not None:
+                self._probes.begin_step(self._n)
         except Exception as exc:  # noqa: BLE001 - the agent must never break training
+            self._disable(exc)
+
+    def _on_probe_grad(self, grad: torch.Tensor) -> None:
+        if not self.enabled or self._probe_checked:
+            return
+        try:
+            self._probe_checked = True
+            p = self._probe_param
+            if p is not None and p.device.type == "cpu":  # on CUDA .any() would sync: unknown
+                self._grads_carried = p.grad is not None and bool(p.grad.any())
+        except Exception as exc:  # noqa: BLE001
             self._disable(exc)
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -308,7 +329,11 @@ class Watch:
                           nbytes=tree_nbytes(host_batch))
         self._rng = None
         self._ring.add_step(entry)
+        layers = self._probes.collect() if self._probes is not None else None
+        if layers:
+            self.latest.layers = dict(layers)
         fields = {"step": n, "step_s": step_s, "time_s": self._wall(), "optimizer_skipped": skipped,
+                  "layers": layers or None,
                   "rank": self.rank, "grads_carried": self._grads_carried,
                   "lr": float(lr) if lr is not None and not isinstance(lr, torch.Tensor) else None}
         event = None
@@ -478,6 +503,9 @@ class Watch:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if getattr(self, "_probes", None) is not None:
+            self._probes.remove()
+            self._probes = None
 
     def close(self, reason: str = "finished", timeout_s: float = 120.0) -> None:
         """Detach hooks, finish pending records and captures, stop the exporter and the stream.

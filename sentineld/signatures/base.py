@@ -131,6 +131,16 @@ def robust_sigma(values: Sequence[float], center: float) -> float:
 
 def finite_losses(records: Sequence[StepRecord]) -> list[tuple[int, float]]:
     """``(step, loss)`` of the records whose loss is finite, in window order."""
+    isfinite = math.isfinite
+    fast: list[tuple[int, float]] = []
+    for r in records:  # fast path for well-formed records; anything odd takes the careful path
+        loss, step = getattr(r, "loss", None), getattr(r, "step", None)
+        if type(loss) is not float or type(step) is not int:
+            break
+        if isfinite(loss):
+            fast.append((step, loss))
+    else:
+        return fast
     out = []
     for r in records:
         v = finite(getattr(r, "loss", None))

@@ -52,7 +52,7 @@ def evaluate(records: Sequence[StepRecord] | Iterable[StepRecord],
     checks: tuple[Callable[[], list[Verdict]], ...] = (
         lambda: detect_nonfinite(records, cfg.nonfinite),
         lambda: detect_loss_scale_collapse(records, cfg.loss_scale_collapse),
-        lambda: detect_divergence_spike(records, cfg.divergence_spike),
+        lambda: detect_divergence_spike(records, cfg.divergence_spike, num_classes),
         lambda: detect_divergence_growth(records, cfg.divergence_growth, num_classes),
         lambda: detect_exploding_gradients(records, cfg.exploding_gradients),
         lambda: detect_gradients_not_applied(records, cfg.gradients_not_applied),

@@ -172,6 +172,16 @@ class ZeroGradConfig:
 
 
 def _applied_norms(records: Sequence[StepRecord]) -> list[tuple[int, float]]:
+    isfinite = math.isfinite
+    fast: list[tuple[int, float]] = []
+    for r in records:  # fast path for well-formed records; anything odd takes the careful path
+        g, step = getattr(r, "grad_norm", None), getattr(r, "step", None)
+        if (g is not None and type(g) is not float) or type(step) is not int:
+            break
+        if g is not None and isfinite(g) and not getattr(r, "optimizer_skipped", False):
+            fast.append((step, g))
+    else:
+        return fast
     out = []
     for r in records:
         if getattr(r, "optimizer_skipped", False):

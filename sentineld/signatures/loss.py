@@ -63,6 +63,10 @@ class DivergenceSpikeConfig:
         k: ... and at least this many robust standard deviations above it. Default 15 (our
             measurement: the noisiest healthy run in tests/signatures, SGD lr 0.3 on batches of
             8, reaches 58% of this bar; 85% with k=10).
+        min_level: ... and at least this share of ln(num_classes) when known (relative jumps
+            among near-zero losses of a converged run are noise). Default 0.05.
+        min_loss: the same floor, absolute, without num_classes. Default 0.1 (assumes a
+            cross-entropy-like scale: set it for other losses).
     """
 
     enabled: bool = True
@@ -71,6 +75,8 @@ class DivergenceSpikeConfig:
     confirm_steps: int = 3
     ratio: float = 3.0
     k: float = 15.0
+    min_level: float = 0.05
+    min_loss: float = 0.1
 
     def __post_init__(self) -> None:
         _positive_ints(self, "divergence_spike", "baseline_steps", "min_baseline_steps",
@@ -210,7 +216,7 @@ class InitialLossConfig:
     Attributes:
         enabled: run this detector.
         high_ratio: fire above ``high_ratio * ln(C)``. Default 1.5 (our measurement: default
-            PyTorch initialisation lands within 1.15x on the runs in tests/signatures).
+            PyTorch initialisation lands at 0.97x-1.07x on the runs in tests/signatures).
         low_ratio: fire below ``low_ratio * ln(C)``. Default 0.5.
     """
 
@@ -252,13 +258,14 @@ def zigzag_moves(values: Sequence[float], ratio: float) -> int:
     return moves
 
 
-def detect_divergence_spike(records: Sequence[StepRecord], config: DivergenceSpikeConfig
-                            ) -> list[Verdict]:
+def detect_divergence_spike(records: Sequence[StepRecord], config: DivergenceSpikeConfig,
+                            num_classes: int | None = None) -> list[Verdict]:
     """Report a loss that jumped far above its recent median and stayed there.
 
     Args:
         records: step records, oldest first.
         config: thresholds.
+        num_classes: classes of a classification loss, or None.
 
     Returns:
         One critical verdict at the first confirming step, or nothing.
@@ -274,7 +281,9 @@ def detect_divergence_spike(records: Sequence[StepRecord], config: DivergenceSpi
     base = [v for _, v in pts[:-config.confirm_steps]]
     m = median(base)
     sigma = robust_sigma(base, m)
-    bar = m + max(config.k * sigma, (config.ratio - 1.0) * abs(m))
+    ref = _chance(num_classes)
+    floor = config.min_level * ref if ref is not None else config.min_loss
+    bar = max(m + max(config.k * sigma, (config.ratio - 1.0) * abs(m)), floor)
     low = min(v for _, v in recent)
     if not low > bar:
         return []

@@ -12,7 +12,6 @@ Later the agent itself can replace :func:`train`; the scenarios only need ``list
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -221,8 +220,3 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer,
         probes.remove()
         torch.set_num_threads(threads)
     return records
-
-
-def finite_or_none(v: float | None) -> float | None:
-    """``v`` if finite, else None (for printing)."""
-    return v if v is not None and math.isfinite(v) else None

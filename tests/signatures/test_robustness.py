@@ -50,7 +50,7 @@ def odd_window(draw: Any) -> list[StepRecord]:
 DETECTORS = [
     lambda r: numerics.detect_nonfinite(r, CFG.nonfinite),
     lambda r: numerics.detect_loss_scale_collapse(r, CFG.loss_scale_collapse),
-    lambda r: loss.detect_divergence_spike(r, CFG.divergence_spike),
+    lambda r: loss.detect_divergence_spike(r, CFG.divergence_spike, 10),
     lambda r: loss.detect_divergence_growth(r, CFG.divergence_growth, 10),
     lambda r: loss.detect_plateau(r, CFG.plateau, None),
     lambda r: loss.detect_plateau(r, CFG.plateau, 10),

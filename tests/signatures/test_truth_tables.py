@@ -145,6 +145,12 @@ def test_divergence_spike_needs_history() -> None:
     assert detect_divergence_spike(recs(noisy(10) + [50.0] * 3), CFG.divergence_spike) == []
 
 
+@pytest.mark.parametrize("num_classes, fires", [(10, False), (None, False), (2, False)])
+def test_divergence_spike_ignores_near_zero_losses(num_classes: int | None, fires: bool) -> None:
+    rs = recs(noisy(60, 1e-4, 0.1) + [5e-3] * 3)         # x50, but a converged run's noise
+    assert bool(detect_divergence_spike(rs, CFG.divergence_spike, num_classes)) == fires
+
+
 # -------------------------------------------------------------------------- divergence_growth
 @pytest.mark.parametrize("losses, num_classes, fires", [
     ([0.5 * 1.05 ** i for i in range(80)], 10, True),          # steady climb 0.5 -> 24
@@ -435,3 +441,13 @@ def test_verdict_shape() -> None:
 
 def test_every_signature_has_a_config() -> None:
     assert set(SIGNATURES) == set(SignatureConfig.__dataclass_fields__)
+
+
+def test_numpy_scalars_and_int_losses_take_the_careful_path() -> None:
+    np = pytest.importorskip("numpy")
+    base = noisy(60, 1.0, 0.1) + [10.0] * 3
+    plain = detect_divergence_spike(recs(base), CFG.divergence_spike)
+    as_numpy = detect_divergence_spike(recs([np.float64(v) for v in base]), CFG.divergence_spike)
+    assert [v.step for v in plain] == [v.step for v in as_numpy] == [60]
+    grads = [np.float32(g) for g in noisy(60, 1.0, 0.2) + [20.0] * 4]
+    assert detect_exploding_gradients(recs([1.0] * 64, grad_norm=grads), CFG.exploding_gradients)

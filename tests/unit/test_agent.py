@@ -204,3 +204,46 @@ def test_reused_run_id_gets_a_fresh_directory(tmp_path):
 
 def _stream_of(run_dir):
     return [json.loads(x) for x in (run_dir / "stream-rank0.jsonl").read_text().splitlines()]
+
+
+def test_zero_grad_between_forward_and_backward_is_not_carried_grads(tmp_path):
+    """Regression (signatures review): the carried-gradient check ran at the forward, so a loop
+    calling zero_grad() after the forward read as 'zero_grad forgotten' on every step."""
+    m, o = _model()
+    watch = attach(m, o, run_id="zg", runs_dir=tmp_path, metrics_port=0)
+    for _ in range(4):
+        x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+        loss = F.cross_entropy(m(x), y)
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        watch.step(loss, (x, y))
+    watch.close()
+    assert [r["grads_carried"] for r in _stream(watch) if r["kind"] == "step"] == [False] * 4
+
+
+def test_forgotten_zero_grad_is_recorded_as_carried(tmp_path):
+    m, o = _model()
+    watch = attach(m, o, run_id="nz", runs_dir=tmp_path, metrics_port=0)
+    for _ in range(3):
+        x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        o.step()
+        watch.step(loss, (x, y))
+    watch.close()
+    assert [r["grads_carried"] for r in _stream(watch) if r["kind"] == "step"] == [False, True, True]
+
+
+def test_sampled_steps_carry_per_layer_stats_and_export_them(tmp_path):
+    m, o = _model()
+    watch = attach(m, o, run_id="layers", runs_dir=tmp_path, metrics_port=-1, layer_every=5)
+    _train(m, o, watch, 11)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{watch.metrics_port}/metrics", timeout=5).read().decode()
+    watch.close()
+    recs = [r for r in _stream(watch) if r["kind"] == "step"]
+    sampled = [r["step"] for r in recs if r.get("layers")]
+    assert sampled == [0, 5, 10]
+    stats = recs[5]["layers"]
+    assert stats["0"]["grad_norm"] > 0 and 0 <= stats["1"]["dead_fraction"] <= 1
+    assert 'sentineld_layer_grad_norm{module="0",rank="0",run="layers"}' in body

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import inspect
+import json
 import logging
 import math
 import os
@@ -77,6 +78,25 @@ def _default_run_id() -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
 
 
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model whose state_dict a plain recipe model loads: inside DDP/DP/FSDP and
+    ``torch.compile`` wrappers (not any module that merely has a child named ``module``)."""
+    wrappers: tuple[type, ...] = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel  # noqa: PLC0415
+
+        wrappers += (FullyShardedDataParallel,)
+    except ImportError:
+        pass
+    while True:
+        if isinstance(model, wrappers):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
 def _torch_flags() -> dict[str, Any]:
     """Process-wide settings a step's numerics depend on; the replay applies them."""
     return {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
@@ -94,7 +114,8 @@ def _unused_run_id(parent: Path, run_id: str, rank: int) -> str:
     candidate, n = run_id, 1
     while (parent / candidate / f"stream-rank{rank}.jsonl").exists():
         n += 1
-        candidate = f"{run_id}.{n}"
+        suffix = f".{n}"
+        candidate = run_id[: 128 - len(suffix)] + suffix  # run ids are at most 128 characters
     if candidate != run_id:
         log.warning("sentineld: run %s already has a stream for rank %d; this run is %s",
                     run_id, rank, candidate)
@@ -155,7 +176,7 @@ class Watch:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         # DDP/FSDP-style wrappers hold the real model in .module: snapshots and parameter names
         # use it, so the replay's plain model loads them without a "module." prefix.
-        self._inner = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
+        self._inner = _unwrap(model)
         self.rank, world, local_rank = _dist_rank()
         self._clock, self._wall = clock, wall_clock
         self._accumulating = accumulation_steps > 1
@@ -164,21 +185,34 @@ class Watch:
         self.snapshot_every = self.config.snapshot_every or self.config.min_snapshot_every
         self._auto_k = self.config.snapshot_every == 0
 
+        try:
+            json.dumps(dict(recipe_args or {}), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"recipe_args must be JSON values (str, numbers, bools, lists, dicts): {exc}") from None
         parent = Path(runs_dir or default_runs_dir())
-        run_id = _unused_run_id(parent, run_id, self.rank)
+        try:
+            run_id = _unused_run_id(parent, run_id, self.rank)
+            self.run_dir = make_private_dir(parent / run_id)
+            write_run_meta(self.run_dir, RunMeta(
+                run_id=run_id, recipe=recipe, recipe_args=dict(recipe_args or {}), rank=self.rank,
+                world_size=world, torch_version=str(torch.__version__), num_threads=torch.get_num_threads(),
+                num_classes=num_classes, started_s=wall_clock(), extra={"torch_flags": _torch_flags()}))
+            self.stream = StreamWriter(stream_path(self.run_dir, self.rank), self.config.flush_s)
+        except OSError as exc:
+            # Monitoring must not stop the training it watches: run on, switched off.
+            log.error("sentineld: cannot write run directory %s (%s); the agent is off, training "
+                      "continues. Pass runs_dir= or set SENTINELD_RUNS_DIR to a writable directory",
+                      parent / run_id, exc)
+            self.enabled = False
+            self.run_dir = parent / run_id
+            self.stream = StreamWriter(os.devnull, self.config.flush_s)
         self.run_id = run_id
-        self.run_dir = make_private_dir(parent / run_id)
-        write_run_meta(self.run_dir, RunMeta(
-            run_id=run_id, recipe=recipe, recipe_args=dict(recipe_args or {}), rank=self.rank, world_size=world,
-            torch_version=str(torch.__version__), num_threads=torch.get_num_threads(),
-            num_classes=num_classes, started_s=wall_clock(), extra={"torch_flags": _torch_flags()}))
-        self.stream = StreamWriter(stream_path(self.run_dir, self.rank), self.config.flush_s)
         self.stream.put({"kind": "start", "run_id": run_id, "rank": self.rank, "pid": os.getpid(),
                          "host": socket.gethostname(), "time_s": wall_clock()}, urgent=True)
         self.latest = Latest()
         self._server = None
         self.metrics_port: int | None = None
-        if self.config.metrics_port != 0:
+        if self.config.metrics_port != 0 and self.enabled:
             port = self.config.metrics_port + (local_rank if self.config.metrics_port > 0 else 0)
             try:
                 self._server, self.metrics_port = start_exporter(
@@ -288,7 +322,9 @@ class Watch:
         norms = []
         for grads in by_device.values():
             # float32 accumulation: a float16 grad norm overflows (65504) long before any element.
-            norms.extend(torch._foreach_norm(grads, 2, dtype=torch.float32))
+            low = grads[0].dtype in (torch.float16, torch.bfloat16)
+            norms.extend(n.float() for n in (torch._foreach_norm(grads, 2, dtype=torch.float32) if low
+                                             else torch._foreach_norm(grads)))
         dev = norms[0].device
         return torch.linalg.vector_norm(torch.stack([n.to(dev, non_blocking=True) for n in norms]))
 
@@ -305,11 +341,14 @@ class Watch:
         Never raises; after an internal error the agent disables itself (see ``enabled``).
         """
         if not self.enabled:
+            if self._hooks:
+                self._remove_hooks()
             return
         try:
             self._record(loss, batch)
         except Exception as exc:  # noqa: BLE001
             self._disable(exc)
+            self._remove_hooks()
 
     def _record(self, loss: torch.Tensor | float, batch: Any) -> None:
         n = self._n
@@ -318,6 +357,7 @@ class Watch:
         self._step_times.append(step_s)
         gnorm = self._gnorm if self._pre_hook_ran else self._grad_norm()
         skipped = not self._pre_hook_ran
+        forward_seen = self._step_started
         self._gnorm, self._pre_hook_ran, self._step_started = None, False, False
         loss_t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
@@ -352,6 +392,12 @@ class Watch:
         self._tune_snapshot_cadence()
         if not self._latched and self._since_snapshot >= self.snapshot_every:
             self._snapshot_due = True
+        if not forward_seen:
+            # A loop that never calls model(...) itself (Lightning's training_step, a method of
+            # the model): the end of this step is the start of the next one.
+            if self._snapshot_due:
+                self._take_snapshot(self._n)
+            self._rng = capture_rng()
 
     def _resolve_ready(self) -> None:
         while self._pending and self._pending[0].ready():
@@ -423,13 +469,19 @@ class Watch:
         self._since_snapshot = 0
 
     def _tune_snapshot_cadence(self) -> None:
-        if not self._auto_k or len(self._step_times) < 5:
-            return
-        step_s = sorted(self._step_times)[len(self._step_times) // 2]
-        if step_s <= 0:
-            return
-        k = math.ceil(self._snap_s / (self.config.snapshot_budget * step_s))
-        self.snapshot_every = max(self.config.min_snapshot_every, min(k, self.config.window // 2))
+        k = self.snapshot_every
+        if self._auto_k and len(self._step_times) >= 5:
+            step_s = sorted(self._step_times)[len(self._step_times) // 2]
+            if step_s > 0:
+                k = math.ceil(self._snap_s / (self.config.snapshot_budget * step_s))
+                k = max(self.config.min_snapshot_every, min(k, self.config.window // 2))
+        # The ring must hold a whole span (snapshot .. offending step + post_steps) or the capture
+        # is lost: with large batches that bound beats the time budget.
+        last = self._ring.entries[-1].nbytes if self._ring.entries else 0
+        if last > 0:
+            fits = self.config.ring_bytes // last
+            k = max(1, min(k, (fits - self.config.post_steps) // 2))
+        self.snapshot_every = k
 
     # -------------------------------------------------------------- captures
     def _flush_incident(self) -> None:
@@ -497,7 +549,8 @@ class Watch:
             self.stream.put({"kind": "agent_error", "message": repr(exc)}, urgent=True)
         except Exception:  # noqa: BLE001
             pass
-        self._remove_hooks()
+        # Hooks are not removed here: this may run inside Optimizer.step's loop over its hooks,
+        # which must not change size. Disabled hooks return at once; step() and close() remove them.
 
     def _remove_hooks(self) -> None:
         for h in self._hooks:

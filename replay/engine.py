@@ -92,14 +92,12 @@ def _factory(meta: RunMeta, recipe_spec: str | None, trust: bool, named_by: list
 def _build(factory: Callable[..., Any], spec: str, args: dict[str, Any]) -> Recipe:
     try:
         recipe = factory(**args)
-    except Exception as exc:  # noqa: BLE001 - user code
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code, sys.exit() included
         raise ReplayError(f"recipe {spec} raised while building the model: "
                           f"{type(exc).__name__}: {exc}") from None
     if not isinstance(recipe, Recipe):
         raise ReplayError(f"recipe {spec} returned {type(recipe).__name__}, not sentineld.recipe.Recipe")
     return recipe
-
-
 
 
 def replay_run(run_dir: str | Path, step: int | None = None, *, recipe: str | None = None,
@@ -127,7 +125,7 @@ def replay_run(run_dir: str | Path, step: int | None = None, *, recipe: str | No
         raise
     except RebuildError as exc:
         raise ReplayError(f"the model cannot be rebuilt: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - the user's model code, or h5py on a damaged file
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's model code, or h5py on a damaged file
         raise ReplayError(f"re-executing the run's steps failed: {type(exc).__name__}: {exc}") from exc
 
 

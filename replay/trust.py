@@ -79,7 +79,11 @@ def load_recipe_factory(recipe: str, cwd: str, *, trust: bool, named_by: list[Pa
     mod_files = _module_files(cwd_path, mod_name)
     # The folders holding the module files too: whoever can write there can swap the files.
     dirs = list(dict.fromkeys(f.parent for f in mod_files))
-    files = mod_files + dirs + list(named_by)
+    # Bytecode runs too: a .pyc compiled with an unchecked hash is used without looking at the
+    # source, so its folder and files must be as safe as the source.
+    caches = [d / "__pycache__" for d in dirs if (d / "__pycache__").is_dir()]
+    cached = [c for d in caches for c in d.glob("*.pyc")]
+    files = mod_files + dirs + caches + cached + list(named_by)
     if trust:
         log.warning("sentineld: --trust given: importing %s without ownership checks", recipe)
     else:
@@ -90,7 +94,7 @@ def load_recipe_factory(recipe: str, cwd: str, *, trust: bool, named_by: list[Pa
     try:
         module = importlib.import_module(mod_name)
         fn = getattr(module, fn_name)
-    except Exception as exc:  # noqa: BLE001 - user code can raise anything on import
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code can raise anything on import
         raise RecipeError(f"cannot import recipe {recipe!r} from {cwd}: {type(exc).__name__}: {exc}. "
                           "Run the replay where the training code is, or pass --recipe") from None
     if not callable(fn):

@@ -10,7 +10,8 @@ Layout (schema version 1)::
     /steps/<step>/batch_tree, /steps/<step>/batch/<i>     the batch of that step
     /steps/<step>/rng_meta, /steps/<step>/rng/<name>      RNG states at that step's first forward
     /records               JSON string: list of StepRecord dicts for S..N (and any after N)
-    /grads/<param name>    gradients at N as the agent saw them before the optimizer step (optional)
+    /grads/names, /grads/<i>   gradients at N as the agent saw them before the optimizer step
+                           (optional; names is a JSON list, i its index)
 
 Snapshot S is the state *before* step S ran, so re-executing steps S..N-1 gives the state before N.
 Nothing is pickled: trees are JSON and tensors are datasets. A capture is written to
@@ -20,6 +21,7 @@ Nothing is pickled: trees are JSON and tensors are datasets. A capture is writte
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import math
 import os
@@ -31,7 +33,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from sentineld.treecodec import TreeCodecError, decode, encode
+from sentineld.treecodec import TreeCodecError, decode, encode, map_tensors
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -43,6 +45,8 @@ __all__ = [
     "capture_name",
     "write_step",
     "write_snapshot",
+    "write_h5_atomic",
+    "tree_bytes",
 ]
 
 SCHEMA_VERSION = 1
@@ -83,6 +87,8 @@ def _tensor_to_numpy(t: Any) -> tuple[np.ndarray, str]:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
+    if t.is_sparse:  # sparse gradients (SparseAdam): evidence, stored dense
+        t = t.to_dense()
     dtype = str(t.dtype).removeprefix("torch.")
     if dtype in _NUMPY_UNSUPPORTED:
         t = t.view(getattr(torch, _NUMPY_UNSUPPORTED[dtype]))
@@ -136,17 +142,20 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def disk_full_error(exc: BaseException, where: Path, what: str) -> OSError | None:
+def disk_full_error(exc: BaseException, where: Path) -> OSError | None:
     """A clear ``OSError(ENOSPC)`` for an h5py/OS error caused by a full disk, else None."""
     if not isinstance(exc, OSError):
         return None
-    if exc.errno != errno.ENOSPC and "No space left" not in str(exc) and "errno = 28" not in str(exc):
+    text = str(exc)
+    if exc.errno == errno.ENOSPC and exc.strerror and exc.strerror.startswith("no space left on device in"):
+        return exc  # already ours
+    if exc.errno != errno.ENOSPC and "No space left" not in text and "errno = 28" not in text:
         return None
     try:
         free = shutil.disk_usage(where).free
     except OSError:
         free = -1
-    return OSError(errno.ENOSPC, f"no space left on device in {where} ({free} bytes free); {what}")
+    return OSError(errno.ENOSPC, f"no space left on device in {where} ({free} bytes free)")
 
 
 def _read_tree(group: Any) -> Any:
@@ -192,39 +201,119 @@ def write_capture(
             message saying so); the temp file is removed.
         TreeCodecError: a state dict holds an object that has no JSON form.
     """
+    path = Path(path)
+    records = list(records)
+
+    def fill(f: Any) -> None:
+        f.attrs.update(
+            schema_version=SCHEMA_VERSION, run_id=run_id, rank=rank, trigger=trigger,
+            first_step=first_step, snapshot_step=snapshot_step, created_s=time.time(),
+            message=message, torch_version=str(_torch().__version__),
+        )
+        write_snapshot(f.create_group("snapshot"), snapshot)
+        sg = f.create_group("steps")
+        for st in steps:
+            write_step(sg.create_group(str(st.step)), st)
+        f.create_dataset("records", data=json.dumps(records))
+        if grads:
+            # By index with a JSON list of names: a parameter name may hold "/" (nn.ModuleDict
+            # keys), which HDF5 would read as a group path.
+            gg = f.create_group("grads")
+            gg.create_dataset("names", data=json.dumps(list(grads)))
+            for i, t in enumerate(grads.values()):
+                arr, dtype = _tensor_to_numpy(t)
+                gg.create_dataset(str(i), data=arr).attrs["torch_dtype"] = dtype
+
+    estimate = tree_bytes(dict(snapshot)) + sum(tree_bytes(st.batch) for st in steps) + tree_bytes(grads or {})
+    write_h5_atomic(path, fill, estimate, durable=True, what="capture")
+    return path
+
+
+#: HDF5 files up to this size are built in memory and written with plain ``write()`` calls, so a
+#: full disk fails a syscall with a clean ``OSError``: an HDF5 write that fails on ENOSPC leaves
+#: the library's file state broken, and h5py 3.16 then crashes the process (seen in
+#: tests/reliability/test_disk_full.py). Bigger files are written by HDF5 itself, after a check
+#: that the disk has room for them.
+IN_MEMORY_MAX_BYTES = 256 << 20
+
+_mem_files = itertools.count()
+
+
+def tree_bytes(tree: Any) -> int:
+    """Bytes held by the tensors (and numpy arrays) of a tree, for size estimates."""
+    total = 0
+
+    def add(t: Any) -> Any:
+        nonlocal total
+        total += int(t.numel()) * int(t.element_size())
+        return t
+
+    map_tensors(tree, add)
+    return total
+
+
+def write_h5_atomic(path: Path, fill: Any, estimate_bytes: int, *, durable: bool, what: str) -> int:
+    """Write an HDF5 file via ``fill(h5file)`` to ``<path>.tmp``, then rename it to ``path`` (0600).
+
+    Args:
+        estimate_bytes: about how big the file will be (tensor bytes); decides in-memory
+            building (see :data:`IN_MEMORY_MAX_BYTES`) and the free-space check.
+        durable: fsync the file and its directory (a capture); without, the file still survives
+            the death of the process (page cache), only not a power loss.
+        what: what it is, for error messages.
+
+    Returns:
+        The file's size in bytes.
+
+    Raises:
+        OSError: not written (``errno.ENOSPC`` with a clear message on a full disk); nothing is
+            left behind.
+    """
     import h5py  # noqa: PLC0415
 
-    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    need = int(estimate_bytes * 1.05) + (1 << 20)
     try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs.update(
-                schema_version=SCHEMA_VERSION, run_id=run_id, rank=rank, trigger=trigger,
-                first_step=first_step, snapshot_step=snapshot_step, created_s=time.time(),
-                message=message, torch_version=str(_torch().__version__),
-            )
-            write_snapshot(f.create_group("snapshot"), snapshot)
-            sg = f.create_group("steps")
-            for st in steps:
-                write_step(sg.create_group(str(st.step)), st)
-            f.create_dataset("records", data=json.dumps(list(records)))
-            if grads:
-                gg = f.create_group("grads")
-                for name, t in grads.items():
-                    arr, dtype = _tensor_to_numpy(t)
-                    gg.create_dataset(name, data=arr).attrs["torch_dtype"] = dtype
-            f.flush()
-        fsync_path(tmp)
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = None
+    if free is not None and free < need:
+        raise OSError(errno.ENOSPC, f"no space left on device in {path.parent} ({free} bytes free, "
+                                    f"about {need} needed for this {what})")
+    try:
+        if estimate_bytes <= IN_MEMORY_MAX_BYTES:
+            name = f"sentineld-mem-{os.getpid()}-{next(_mem_files)}.h5"  # never touches the disk
+            with h5py.File(name, "w", driver="core", backing_store=False) as f:
+                fill(f)
+                f.flush()
+                image = f.id.get_file_image()
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                view = memoryview(image)
+                while view:
+                    view = view[os.write(fd, view):]
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            size = len(image)
+        else:
+            with h5py.File(tmp, "w") as f:
+                fill(f)
+            if durable:
+                fsync_path(tmp)
+            size = tmp.stat().st_size
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)
-        fsync_path(path.parent)
+        if durable:
+            fsync_path(path.parent)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        full = disk_full_error(exc, path.parent, f"capture {path.name} not written")
-        if full is not None:
+        full = disk_full_error(exc, path.parent)
+        if full is not None and full is not exc:
             raise full from None
         raise
-    return path
+    return size
 
 
 class Capture:
@@ -309,8 +398,13 @@ class Capture:
         """Gradients at ``first_step`` as recorded, by parameter name ({} if not stored)."""
         if not self._guard(lambda: "grads" in self._f, "grads"):
             return {}
-        return self._guard(lambda: {k: _numpy_to_tensor(v[()], str(v.attrs["torch_dtype"]))
-                                    for k, v in self._f["grads"].items()}, "grads")
+        def load() -> dict[str, Any]:
+            g = self._f["grads"]
+            names = json.loads(_read_str(g["names"]))
+            return {str(n): _numpy_to_tensor(g[str(i)][()], str(g[str(i)].attrs["torch_dtype"]))
+                    for i, n in enumerate(names)}
+
+        return self._guard(load, "grads")
 
     def _guard(self, fn: Any, what: str) -> Any:
         try:

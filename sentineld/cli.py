@@ -10,6 +10,7 @@ Exit codes (documented in README):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import click
 
@@ -116,6 +117,8 @@ def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, 
         args += ["--metrics-port", str(metrics_port)]
     if no_replay:
         args.append("--no-replay")
+    if verbose:
+        args.append("-v")
     log_path = cfg.state_dir / "daemon.log"
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     proc = subprocess.Popen(args, stdout=fd, stderr=fd, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -290,9 +293,6 @@ def _replay(run: str, step: int | None, as_json: bool, recipe: str | None, captu
     from .rundir import RunDirError, resolve_run  # noqa: PLC0415
 
     try:
-        from sentineld.replay import ReplayError, render_text, replay_run  # noqa: PLC0415
-        from sentineld.replay.trust import RecipeError, UntrustedError  # noqa: PLC0415
-
         rd = runs_dir
         if rd is None:
             try:
@@ -300,7 +300,16 @@ def _replay(run: str, step: int | None, as_json: bool, recipe: str | None, captu
             except ConfigError:
                 rd = None
         run_dir = resolve_run(run, rd)
-        report = replay_run(run_dir, step, recipe=recipe, trust=trust, capture=capture, rank=rank)
+        if capture is not None:
+            from .capture import open_capture  # noqa: PLC0415
+
+            with open_capture(capture):  # a damaged capture fails here, before torch is imported
+                pass
+        from sentineld.replay import ReplayError, render_text, replay_run  # noqa: PLC0415
+        from sentineld.replay.trust import RecipeError, UntrustedError  # noqa: PLC0415
+
+        with _stdout_to_stderr():  # the user's code may print: stdout carries only the verdict
+            report = replay_run(run_dir, step, recipe=recipe, trust=trust, capture=capture, rank=rank)
     except (RunDirError, CaptureError) as exc:
         _fail(str(exc))
     except Exception as exc:  # noqa: BLE001
@@ -312,6 +321,23 @@ def _replay(run: str, step: int | None, as_json: bool, recipe: str | None, captu
     else:
         click.echo(render_text(report))
     sys.exit(EXIT_OK if report.reproduced else EXIT_NOT_REPRODUCED)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send everything written to stdout (Python and file descriptor 1) to stderr meanwhile."""
+    sys.stdout.flush()
+    saved_fd = os.dup(1)
+    saved = sys.stdout
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
+        sys.stdout = saved
 
 
 def replay_main() -> None:

@@ -190,7 +190,8 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
 
             SignatureConfig.from_mapping(dict(cfg.signatures))
         except ValueError as exc:
-            raise ConfigError(f"[signatures]: {exc}") from None
+            where = f"config file {cfg_path}: " if cfg_path is not None else ""
+            raise ConfigError(f"{where}[signatures]: {exc}") from None
     return cfg
 
 

@@ -60,6 +60,10 @@ IDLE_EVAL_S = 10.0
 #: Seconds one run may hold the main loop while catching up before the others get a turn.
 CATCH_UP_SLICE_S = 0.5
 
+#: Seconds between saves of a run's reading progress when nothing fired (an alert saves at once;
+#: a restart re-reads at most this much, and the outbox ids make the re-read alert-free).
+PROGRESS_EVERY_S = 1.0
+
 #: Seconds a new run directory may lack its run.json before that is reported.
 RUN_JSON_GRACE_S = 10.0
 
@@ -147,10 +151,17 @@ class Daemon:
         self.replays_run = 0
         self.rings_recovered = 0
         self.delivery_failures = 0
-        self.dests: list[Destination] = destinations(config.notify, _destination_secret(self.state_dir))
         self.secrets = SecretFilter(set().union(*(url_secrets(u) for u in config.notify),
                                                 url_secrets(config.alertmanager_url or "")))
+        # Before anything parses the URLs: apprise logs them (unmasked tokens) at DEBUG.
+        self._filtered = [h for h in logging.getLogger().handlers if self.secrets not in h.filters]
+        for h in self._filtered:
+            h.addFilter(self.secrets)
+        self.dests: list[Destination] = destinations(config.notify, _destination_secret(self.state_dir))
         self._recovering: dict[str, float] = {}
+        self._rings_checked: dict[str, float] = {}
+        self._saved: dict[str, float] = {}
+        self._unsaved: set[str] = set()
         self.metrics_port: int | None = None
         self._dirty: set[Path] = set()
         self._dirty_lock = threading.Lock()
@@ -256,7 +267,9 @@ class Daemon:
             for h in logging.getLogger().handlers:
                 if self.secrets not in h.filters:
                     h.addFilter(self.secrets)
-                    stack.callback(h.removeFilter, self.secrets)
+                    self._filtered.append(h)
+            for h in self._filtered:
+                stack.callback(h.removeFilter, self.secrets)
             fd = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(f"{os.getpid()}\n")
@@ -285,6 +298,9 @@ class Daemon:
             for t in threads:
                 t.start()
             self._guard(self._main_loop)
+            for key in list(self._unsaved):
+                if key in self.runs:
+                    self._save(self.runs[key])
             self.stop_event.set()
             self.wake.set()
             for t in threads:
@@ -383,7 +399,10 @@ class Daemon:
         elif not rw.error and rw.reported_error:
             log.info("run %s: readable again", run_dir.name)
             rw.reported_error = None
-        self._check_rings(rw)
+        now = time.monotonic()
+        if now - self._rings_checked.get(str(run_dir), 0.0) >= self.cfg.poll_s:
+            self._rings_checked[str(run_dir)] = now
+            self._check_rings(rw)
         if self.cfg.replay and rw.meta is not None:
             # Also after a restart: a capture seen before whose replay never finished runs again.
             for name in sorted(rw.captures_seen):
@@ -393,7 +412,14 @@ class Daemon:
                     self._queued.add(key)
                     self.replay_queue.put((rw, cap))
         if changed:
-            save_progress(self._progress_path(run_dir), rw)
+            self._unsaved.add(str(run_dir))
+        if str(run_dir) in self._unsaved and now - self._saved.get(str(run_dir), 0.0) >= PROGRESS_EVERY_S:
+            self._save(rw)
+
+    def _save(self, rw: RunWatch) -> None:
+        save_progress(self._progress_path(rw.run_dir), rw)
+        self._unsaved.discard(str(rw.run_dir))
+        self._saved[str(rw.run_dir)] = time.monotonic()
 
     def _young(self, run_dir: Path, rw: RunWatch) -> bool:
         """True for a run directory created moments ago whose run.json is not written yet."""
@@ -445,6 +471,10 @@ class Daemon:
         if not per_rank:
             return
         current = merge_verdicts(per_rank)
+        if any(a.signature == "nonfinite" for a in current.values()):
+            # Once values are NaN/Inf every other detector reads garbage (a NaN layer is "dead"):
+            # the non-finite alert and its replay say all there is to say.
+            current = {k: a for k, a in current.items() if a.signature in ("nonfinite", "stalled")}
         fired, cleared = transitions(rw.active.keys(), current)
         for key, a in current.items():
             if key in rw.active:  # ranks that show a firing signature later join it
@@ -479,7 +509,7 @@ class Daemon:
             elif not held:
                 self._recovery(rw, a, last)  # a held alert that cleared was never sent
         if fired or cleared:
-            save_progress(self._progress_path(rw.run_dir), rw)
+            self._save(rw)
             self._update_active_gauge(rw)
 
     def _release_held(self) -> None:
@@ -531,7 +561,7 @@ class Daemon:
         rw.last_alert_s[a.key] = self.clock()
         if a.key in rw.active:
             rw.active[a.key]["notified"] = True
-            save_progress(self._progress_path(rw.run_dir), rw)
+            self._save(rw)
         self._am_fire(rw, a, title, body)
         log.info("run %s: %s %s at step %d (ranks %s)", rw.run_id, a.severity, a.signature, a.step, a.ranks)
 

@@ -92,13 +92,15 @@ _PLAIN_VALUES = {"yes", "no", "true", "false", "on", "off", "insecure", "starttl
 
 
 def url_secrets(url: str) -> set[str]:
-    """Parts of ``url`` that may be secret: password, user name, token-like host, every path
-    segment and query value of 6+ characters (over-masking an e-mail address in a log line is
-    harmless; leaking a webhook token is not). Both raw and percent-decoded forms."""
+    """Parts of ``url`` that may be secret: password, a user name of 16+ characters (a key in
+    some plugins), a token-like host, every path segment and query value of 6+ characters
+    (over-masking an e-mail address in a log line is harmless; leaking a webhook token is not).
+    Both raw and percent-decoded forms."""
     out: set[str] = set()
     try:
         p = urlsplit(url)
-        cands = [p.password or "", p.username or ""]
+        # A user name is shown (it tells destinations apart) unless it is long enough to be a key.
+        cands = [p.password or "", p.username or "" if len(p.username or "") >= 16 else ""]
         host = p.hostname or ""
         if "." not in host and host != "localhost":
             cands.append(host)  # slack://TOKEN_A/..., pover://user@TOKEN: the host is a key
@@ -197,7 +199,8 @@ def _apprise_send(url: str, note: Notification, timeout_s: float, resend: bool =
     ntype = {"critical": apprise.NotifyType.FAILURE, "warning": apprise.NotifyType.WARNING}.get(
         note.severity, apprise.NotifyType.INFO)
     result = a.notify(body=note.body + _footer(note, resend), title=note.title, notify_type=ntype)
-    return bool(result), "" if result else f"delivery failed ({getattr(result, 'status', 'FAILURE')})"
+    status = getattr(result, "status", "FAILURE")
+    return bool(result), "" if result else f"delivery failed ({getattr(status, 'name', status)})"
 
 
 def append_log(path: Path, note: Notification, now_s: float, resend: bool = False) -> None:

@@ -37,8 +37,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
-from .capture import (SCHEMA_VERSION, CaptureStep, capture_name, disk_full_error, fsync_path,
-                      write_snapshot, write_step)
+from .capture import (SCHEMA_VERSION, CaptureStep, capture_name, disk_full_error, tree_bytes,
+                      write_h5_atomic, write_snapshot, write_step)
 from .stream import read_stream
 
 __all__ = ["DiskRingWriter", "ring_state", "recover_ring", "recover_run", "RING_PREFIX"]
@@ -49,23 +49,6 @@ RING_PREFIX = "ring-rank"
 _SNAP = re.compile(r"^snap-(\d+)\.h5$")
 _STEP = re.compile(r"^step-(\d+)\.h5$")
 _DIR = re.compile(r"^ring-rank(\d+)-(\d+)(?:-\d+)?$")
-
-
-def _write_h5(path: Path, fill: Callable[[Any], None]) -> int:
-    """Write an HDF5 file atomically (tmp + rename, 0600, no fsync); return its size in bytes."""
-    import h5py  # noqa: PLC0415
-
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with h5py.File(tmp, "w", libver=("v110", "v110")) as f:
-            fill(f)
-        os.chmod(tmp, 0o600)
-        size = tmp.stat().st_size
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return size
 
 
 class DiskRingWriter:
@@ -174,9 +157,9 @@ class DiskRingWriter:
         if self._warned:
             return
         self._warned = True
-        full = disk_full_error(exc, self.dir, "the on-disk ring skips writes until space frees")
-        text = (f"on-disk ring {self.dir.name}: write failed: {full or exc} (training continues; a "
-                "crash capture after SIGKILL may cover fewer steps)")
+        full = disk_full_error(exc, self.dir)
+        text = (f"on-disk ring {self.dir.name}: write failed: {full or exc}; later writes are still "
+                "tried (training continues; a crash capture after SIGKILL may cover fewer steps)")
         log.warning("sentineld: %s", text)
         if self._on_warning is not None:
             try:
@@ -187,8 +170,13 @@ class DiskRingWriter:
     def _write_snap(self, snap: Any) -> None:
         snap.wait()
         step = int(snap.step)
-        _write_h5(self.dir / f"snap-{step:09d}.h5",
-                  lambda f: (f.attrs.__setitem__("step", step), write_snapshot(f.create_group("snapshot"), snap.state)))
+
+        def fill(f: Any) -> None:
+            f.attrs["step"] = step
+            write_snapshot(f.create_group("snapshot"), snap.state)
+
+        write_h5_atomic(self.dir / f"snap-{step:09d}.h5", fill, snap.nbytes or tree_bytes(snap.state),
+                        durable=False, what="on-disk ring snapshot")
         self._snaps.append(step)
         while len(self._snaps) > 2:
             old = self._snaps.pop(0)
@@ -207,7 +195,8 @@ class DiskRingWriter:
                 f.attrs["record"] = json.dumps(record)
             write_step(f, CaptureStep(step, entry.batch, entry.rng))
 
-        _write_h5(self.dir / f"step-{step:09d}.h5", fill)
+        write_h5_atomic(self.dir / f"step-{step:09d}.h5", fill, entry.nbytes or tree_bytes(entry.batch),
+                        durable=False, what="on-disk ring step")
         self._steps.append(step)
         self._prune()
 
@@ -342,46 +331,39 @@ def recover_ring(ring_dir: Path, who: str = "sentineld") -> Path | None:
 
 def _assemble(h5py: Any, ring_dir: Path, path: Path, meta: dict[str, Any], rank: int, first: int,
               last: int, who: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
     stream_recs = _records_from_stream(path.parent, rank, first, last)
-    records = []
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs.update(
-                schema_version=SCHEMA_VERSION, run_id=str(meta.get("run_id", path.parent.name)),
-                rank=rank, trigger="crash", first_step=last, snapshot_step=first, created_s=time.time(),
-                message=(f"process {meta.get('pid', '?')} died without closing the agent (SIGKILL, "
-                         f"the OOM killer?); assembled from its on-disk ring by {who}"),
-                torch_version=str(meta.get("torch_version", "")))
-            with h5py.File(ring_dir / f"snap-{first:09d}.h5", "r") as src:
-                src.copy(src["snapshot"], f, "snapshot")
-            sg = f.create_group("steps")
-            for n in range(first, last + 1):
-                with h5py.File(ring_dir / f"step-{n:09d}.h5", "r") as src:
-                    g = sg.create_group(str(n))
-                    for name in src:
-                        src.copy(src[name], g, name)
-                    rec = src.attrs.get("record")
-                rec_obj = None
-                if rec is not None:
-                    try:
-                        rec_obj = json.loads(rec)
-                    except (TypeError, ValueError):
-                        rec_obj = None
-                rec_obj = rec_obj if isinstance(rec_obj, dict) else stream_recs.get(n)
-                if rec_obj is not None:
-                    records.append(rec_obj)
-            f.create_dataset("records", data=json.dumps(records))
-        fsync_path(tmp)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-        fsync_path(path.parent)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        full = disk_full_error(exc, path.parent, f"crash capture {path.name} not assembled")
-        if full is not None:
-            raise full from None
-        raise
+    sources = [ring_dir / f"snap-{first:09d}.h5"] + [ring_dir / f"step-{n:09d}.h5" for n in range(first, last + 1)]
+    estimate = sum(p.stat().st_size for p in sources)
+
+    def fill(f: Any) -> None:
+        f.attrs.update(
+            schema_version=SCHEMA_VERSION, run_id=str(meta.get("run_id", path.parent.name)),
+            rank=rank, trigger="crash", first_step=last, snapshot_step=first, created_s=time.time(),
+            message=(f"process {meta.get('pid', '?')} died without closing the agent (SIGKILL, "
+                     f"the OOM killer?); assembled from its on-disk ring by {who}"),
+            torch_version=str(meta.get("torch_version", "")))
+        with h5py.File(sources[0], "r") as src:
+            src.copy(src["snapshot"], f, "snapshot")
+        sg = f.create_group("steps")
+        records = []
+        for n in range(first, last + 1):
+            with h5py.File(ring_dir / f"step-{n:09d}.h5", "r") as src:
+                g = sg.create_group(str(n))
+                for name in src:
+                    src.copy(src[name], g, name)
+                rec = src.attrs.get("record")
+            rec_obj = None
+            if rec is not None:
+                try:
+                    rec_obj = json.loads(rec)
+                except (TypeError, ValueError):
+                    rec_obj = None
+            rec_obj = rec_obj if isinstance(rec_obj, dict) else stream_recs.get(n)
+            if rec_obj is not None:
+                records.append(rec_obj)
+        f.create_dataset("records", data=json.dumps(records))
+
+    write_h5_atomic(path, fill, estimate, durable=True, what="crash capture")
 
 
 def recover_run(run_dir: Path, who: str = "sentineld") -> list[Path]:

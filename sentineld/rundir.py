@@ -83,8 +83,23 @@ def valid_run_id(run_id: str) -> bool:
 
 
 def make_private_dir(path: str | os.PathLike[str]) -> Path:
-    """Create ``path`` (and parents) with mode 0700 for what we create; return it."""
+    """Create ``path`` (and parents) with mode 0700 for what we create; return it.
+
+    Missing parents are created 0700 too (``Path.mkdir(parents=True)`` would give them the
+    umask's mode, e.g. 0755, and leave the list of runs readable by everyone).
+    """
     p = Path(path)
+    missing = []
+    q = p
+    while not q.exists() and q.parent != q:
+        missing.append(q)
+        q = q.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=0o700)
+            os.chmod(d, 0o700)  # mkdir's mode is masked by the umask
+        except FileExistsError:
+            pass  # created meanwhile by another rank or process
     p.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
         os.chmod(p, 0o700)

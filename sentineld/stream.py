@@ -176,11 +176,26 @@ def read_lines(path: str | os.PathLike[str], offset: int = 0,
                     break
                 pos += len(more)
     pos = offset
+    raws, ends = [], []
     for raw in data[: end + 1].split(b"\n")[:-1]:
         pos += len(raw) + 1
         if raw.strip():
-            out.append((_parse(raw), pos))
-    return out, offset + end + 1
+            raws.append(raw)
+            ends.append(pos)
+    return list(zip(_parse_many(raws), ends)), offset + end + 1
+
+
+def _parse_many(raws: list[bytes]) -> list[dict[str, Any] | None]:
+    """Parse lines as one JSON array when every line looks like one object (about twice as fast
+    as line by line); if that fails or the count differs, line by line."""
+    if len(raws) > 1 and all(r[:1] == b"{" and r[-1:] == b"}" and len(r) <= MAX_LINE_BYTES for r in raws):
+        try:
+            arr = json.loads(b"[" + b",".join(raws) + b"]")
+        except (ValueError, RecursionError):
+            arr = None
+        if isinstance(arr, list) and len(arr) == len(raws) and all(type(o) is dict for o in arr):
+            return arr
+    return [_parse(r) for r in raws]
 
 
 def read_stream(path: str | os.PathLike[str], offset: int = 0,

@@ -11,8 +11,11 @@ nan/inf. Anything else (a lambda in a scheduler's state, a custom object) raises
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import math
-from typing import Any, Callable
+import types
+from typing import Any, Callable, Mapping
 
 __all__ = ["TreeCodecError", "encode", "decode", "map_tensors"]
 
@@ -33,8 +36,16 @@ def encode(tree: Any, tensors: list[Any], path: str = "") -> Any:
         TreeCodecError: a leaf is neither a tensor, number, str, bool nor None.
     """
     if _is_tensor(tree):
+        if getattr(tree, "is_sparse", False):
+            t = tree.detach().coalesce()
+            return {"sp": [encode(t.indices(), tensors), encode(t.values(), tensors), list(t.shape)]}
         tensors.append(tree)
         return {"t": len(tensors) - 1}
+    if type(tree).__module__ == "numpy" and type(tree).__name__ == "ndarray":
+        import torch  # noqa: PLC0415
+
+        tensors.append(torch.from_numpy(tree.copy()))
+        return {"np": len(tensors) - 1}
     if tree is None or isinstance(tree, (bool, str)):
         return tree
     if isinstance(tree, int):
@@ -44,12 +55,21 @@ def encode(tree: Any, tensors: list[Any], path: str = "") -> Any:
     if isinstance(tree, dict):
         return {"d": [[encode(k, tensors, f"{path}/key"), encode(v, tensors, f"{path}/{k}")]
                       for k, v in tree.items()]}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple: keep attribute access
+        return {"nt": [type(tree).__name__, list(tree._fields),
+                       [encode(v, tensors, f"{path}/{f}") for f, v in zip(tree._fields, tree)]]}
     if isinstance(tree, tuple):
         return {"tu": [encode(v, tensors, f"{path}/{i}") for i, v in enumerate(tree)]}
     if isinstance(tree, list):
         return {"l": [encode(v, tensors, f"{path}/{i}") for i, v in enumerate(tree)]}
     if hasattr(tree, "item") and hasattr(tree, "dtype"):  # numpy scalar
         return encode(tree.item(), tensors, path)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        # Rebuilt as a namespace with the same attributes: no user class is imported on decode.
+        return {"ns": [type(tree).__name__, {"d": [[f.name, encode(getattr(tree, f.name), tensors, f"{path}/{f.name}")]
+                                                   for f in dataclasses.fields(tree)]}]}
+    if isinstance(tree, Mapping):  # e.g. a tokenizer's BatchEncoding: stored as a dict
+        return encode(dict(tree), tensors, path)
     raise TreeCodecError(f"cannot store {type(tree).__name__} at {path or '/'} in a capture "
                          "(only tensors, numbers, strings, bools, None, dict/list/tuple)")
 
@@ -76,6 +96,22 @@ def decode(obj: Any, tensors: Callable[[int], Any]) -> Any:
             return tuple(decode(v, tensors) for v in val)
         if tag == "l":
             return [decode(v, tensors) for v in val]
+        if tag == "np":
+            return tensors(int(val)).numpy()
+        if tag == "sp":
+            import torch  # noqa: PLC0415
+
+            idx, vals, shape = val
+            # check_invariants: a hand-edited capture must not make an invalid sparse tensor.
+            return torch.sparse_coo_tensor(decode(idx, tensors), decode(vals, tensors), tuple(shape),
+                                           check_invariants=True)
+        if tag == "nt":
+            name, fields, values = val
+            cls = collections.namedtuple(str(name), [str(f) for f in fields])  # type: ignore[misc]
+            return cls(*(decode(v, tensors) for v in values))
+        if tag == "ns":
+            _name, attrs = val
+            return types.SimpleNamespace(**{str(k): v for k, v in decode(attrs, tensors).items()})
     raise TreeCodecError(f"malformed tree node in capture: {str(obj)[:80]!r}")
 
 
@@ -89,7 +125,14 @@ def map_tensors(tree: Any, fn: Callable[[Any], Any]) -> Any:
     """Return a copy of ``tree`` with ``fn`` applied to every tensor (containers rebuilt, rest shared)."""
     if _is_tensor(tree):
         return fn(tree)
+    if type(tree).__module__ == "numpy" and type(tree).__name__ == "ndarray":
+        return tree.copy()  # the loop may reuse its buffer: keep what this step saw
     if isinstance(tree, dict):
+        return {k: map_tensors(v, fn) for k, v in tree.items()}
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return dataclasses.replace(tree, **{f.name: map_tensors(getattr(tree, f.name), fn)
+                                            for f in dataclasses.fields(tree) if f.init})
+    if isinstance(tree, Mapping):
         return {k: map_tensors(v, fn) for k, v in tree.items()}
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
         return type(tree)(*(map_tensors(v, fn) for v in tree))

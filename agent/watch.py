@@ -389,7 +389,8 @@ class Watch:
             self._disk.add_step(entry, event)
         if self._incident is not None and self._n - 1 >= self._incident[1] + self.config.post_steps:
             self._flush_incident()
-        self._tune_snapshot_cadence()
+        if self._n % 16 == 1:  # cadence drifts slowly; re-derive it now and then, not per step
+            self._tune_snapshot_cadence()
         if not self._latched and self._since_snapshot >= self.snapshot_every:
             self._snapshot_due = True
         if not forward_seen:

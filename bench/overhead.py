@@ -26,18 +26,18 @@ from torch import nn
 
 
 def mlp() -> tuple[nn.Module, Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]]:
-    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    model = nn.Sequential(nn.Linear(512, 768), nn.ReLU(), nn.Linear(768, 768), nn.ReLU(), nn.Linear(768, 10))
 
     def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.randn(128, 512, generator=g), torch.randint(0, 10, (128,), generator=g)
+        return torch.randn(64, 512, generator=g), torch.randint(0, 10, (64,), generator=g)
 
     return model, batch
 
 
 class TinyTransformer(nn.Module):
-    """Decoder-only LM: (B, T) tokens -> (B, T, V) logits; 4 layers, d=256, 4 heads."""
+    """Decoder-only LM: (B, T) tokens -> (B, T, V) logits; 2 layers, d=128, 4 heads."""
 
-    def __init__(self, vocab: int = 512, d: int = 256, layers: int = 4, seq: int = 64) -> None:
+    def __init__(self, vocab: int = 512, d: int = 128, layers: int = 2, seq: int = 64) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.zeros(1, seq, d))
@@ -55,7 +55,7 @@ def transformer() -> tuple[nn.Module, Callable[[torch.Generator], tuple[torch.Te
     model = TinyTransformer()
 
     def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        t = torch.randint(0, 512, (16, 65), generator=g)
+        t = torch.randint(0, 512, (8, 33), generator=g)
         return t[:, :-1], t[:, 1:]
 
     return model, batch
@@ -120,7 +120,11 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=30)
     ap.add_argument("--block", type=int, default=20)
     ap.add_argument("--models", default="mlp,transformer")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads; 1 by default: on this shared 2-core VM a second intra-op "
+                         "thread that gets descheduled stalls every op (our measurement)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     builders = {"mlp": mlp, "transformer": transformer}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, blocks={args.blocks} x {args.block} steps")
     print(f"{'model':<12}{'params':>10}{'bare ms':>9}{'wall x':>8}{'p10':>7}{'p90':>7}{'cpu x':>8}{'K':>5}")

@@ -6,18 +6,23 @@ Layout, one directory per training process (``<run_dir>/ring-rank<R>-<pid>/``)::
     lock                  flock'ed by the writing process for its whole life (the kernel drops
                           it when the process dies, however it dies)
     meta.json             run_id, rank, pid, host, torch_version, window
-    snap-<S>.h5           snapshot S (the state before step S), layout of a capture's /snapshot
-    step-<n>.h5           step n: batch, RNG state (layout of /steps/<n>), attr ``record`` (JSON)
+    snap-<S>.ring         snapshot S (the state before step S)
+    step-<n>.ring         step n: batch, RNG state, and its record when known
 
-Each file is written to ``*.tmp`` and renamed, so it is whole or absent: page-cache writes
-survive the death of the process (not of the machine; nothing is fsynced, which keeps the
-per-step cost low). Bounded on disk like the RAM ring: the two newest snapshots, and at most
-``window`` steps, none older than the older snapshot.
+A ``.ring`` file is ``MAGIC``, an 8-byte little-endian header length, a JSON header (the trees
+as a capture stores them, and per tensor its torch dtype, numpy dtype, shape, offset and size),
+then the raw tensor bytes. Not HDF5: this is the per-step hot path, and raw ``write()`` calls
+copy nothing (they write from the tensors' own memory), release the GIL while the kernel copies,
+and fail cleanly on a full disk. Each file is written to ``*.tmp`` and renamed, so it is whole or
+absent: page-cache writes survive the death of the process (not of the machine; nothing is
+fsynced, which keeps the per-step cost low). Bounded on disk like the RAM ring: the two newest
+snapshots, and at most ``window`` steps, none older than the older snapshot.
 
 A clean ``close`` deletes the directory. One left behind whose ``lock`` is free belongs to a dead
 process: :func:`recover_ring` (run by the daemon on the training host, or ``sentineld recover``)
 turns it into ``capture-rank<R>-step<N>-crash.h5`` (snapshot S, steps S..N, records from the step
-files and the stream) and deletes it. Nothing here imports torch except to write tensors.
+files and the stream; the capture layout of :mod:`sentineld.capture`) and deletes it. Recovery
+needs h5py and numpy, not torch.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import errno
 import fcntl
 import json
 import logging
+import mmap
 import os
 import queue
 import re
@@ -37,17 +43,108 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
-from .capture import (SCHEMA_VERSION, CaptureStep, capture_name, disk_full_error, tree_bytes,
-                      write_h5_atomic, write_snapshot, write_step)
+import numpy as np
+
+from .capture import SCHEMA_VERSION, _tensor_to_numpy, capture_name, disk_full_error, write_h5_atomic
 from .stream import read_stream
+from .treecodec import encode
 
 __all__ = ["DiskRingWriter", "ring_state", "recover_ring", "recover_run", "RING_PREFIX"]
 
 log = logging.getLogger("sentineld.diskring")
 
 RING_PREFIX = "ring-rank"
-_SNAP = re.compile(r"^snap-(\d+)\.h5$")
-_STEP = re.compile(r"^step-(\d+)\.h5$")
+_SNAP = re.compile(r"^snap-(\d+)\.ring$")
+_STEP = re.compile(r"^step-(\d+)\.ring$")
+MAGIC = b"SNTLRING1\n"
+
+
+class _Packer:
+    """Collects arrays for one ``.ring`` file and describes them for its header."""
+
+    def __init__(self) -> None:
+        self.arrays: list[np.ndarray] = []
+        self.size = 0
+
+    def add(self, arr: np.ndarray) -> list[Any]:
+        arr = np.ascontiguousarray(arr)
+        desc = [arr.dtype.str, list(arr.shape), self.size, int(arr.nbytes)]
+        self.arrays.append(arr)
+        self.size += int(arr.nbytes)
+        return desc
+
+    def tree(self, tree: Any) -> dict[str, Any]:
+        tensors: list[Any] = []
+        enc = encode(tree, tensors)
+        out = []
+        for t in tensors:
+            arr, dtype = _tensor_to_numpy(t)
+            out.append([dtype, *self.add(arr)])
+        return {"tree": enc, "tensors": out}
+
+
+def _write_ring_file(path: Path, header: dict[str, Any], packer: _Packer) -> None:
+    """Write a ``.ring`` file whole or not at all (tmp + rename, 0600, no fsync)."""
+    head = json.dumps(header, allow_nan=True).encode()
+    need = packer.size + len(head) + (1 << 20)
+    free = shutil.disk_usage(path.parent).free
+    if free < need:
+        raise OSError(errno.ENOSPC, f"no space left on device in {path.parent} ({free} bytes free, "
+                                    f"about {need} needed for {path.name})")
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        try:
+            for buf in [MAGIC + len(head).to_bytes(8, "little") + head,
+                        *(memoryview(a).cast("B") for a in packer.arrays if a.nbytes)]:
+                view = memoryview(buf)
+                while view:
+                    view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _read_ring_file(path: Path) -> tuple[dict[str, Any], memoryview, Any]:
+    """``(header, body, mapping)`` of a ``.ring`` file (close ``mapping`` when done)."""
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        if mm[:len(MAGIC)] != MAGIC:
+            raise ValueError(f"{path.name}: not an on-disk ring file")
+        hlen = int.from_bytes(mm[len(MAGIC):len(MAGIC) + 8], "little")
+        start = len(MAGIC) + 8
+        header = json.loads(mm[start:start + hlen])
+        if not isinstance(header, dict):
+            raise ValueError(f"{path.name}: bad header")
+        return header, memoryview(mm)[start + hlen:], mm
+    except BaseException:
+        mm.close()
+        raise
+
+
+def _close(mm: Any) -> None:
+    try:
+        mm.close()
+    except BufferError:  # a view is still alive somewhere: the mapping goes with it
+        pass
+
+
+def _array(body: memoryview, desc: list[Any]) -> np.ndarray:
+    np_dtype, shape, off, n = desc
+    if off < 0 or n < 0 or off + n > len(body):
+        raise ValueError("tensor outside the file")
+    return np.frombuffer(body[off:off + n], dtype=np.dtype(np_dtype)).reshape(shape)
+
+
+def _put_tree(group: Any, packed: dict[str, Any], body: memoryview) -> None:
+    """Write a packed tree into an HDF5 group in the capture layout (``tree`` + datasets)."""
+    group.create_dataset("tree", data=json.dumps(packed["tree"]))
+    for i, (torch_dtype, *desc) in enumerate(packed["tensors"]):
+        group.create_dataset(str(i), data=_array(body, desc)).attrs["torch_dtype"] = str(torch_dtype)
 _DIR = re.compile(r"^ring-rank(\d+)-(\d+)(?:-\d+)?$")
 
 
@@ -170,33 +267,28 @@ class DiskRingWriter:
     def _write_snap(self, snap: Any) -> None:
         snap.wait()
         step = int(snap.step)
-
-        def fill(f: Any) -> None:
-            f.attrs["step"] = step
-            write_snapshot(f.create_group("snapshot"), snap.state)
-
-        write_h5_atomic(self.dir / f"snap-{step:09d}.h5", fill, snap.nbytes or tree_bytes(snap.state),
-                        durable=False, what="on-disk ring snapshot")
+        pk = _Packer()
+        header = {"kind": "snap", "step": step, "snapshot": pk.tree(dict(snap.state))}
+        _write_ring_file(self.dir / f"snap-{step:09d}.ring", header, pk)
         self._snaps.append(step)
         while len(self._snaps) > 2:
             old = self._snaps.pop(0)
-            (self.dir / f"snap-{old:09d}.h5").unlink(missing_ok=True)
+            (self.dir / f"snap-{old:09d}.ring").unlink(missing_ok=True)
         self._prune()
 
     def _write_step(self, entry: Any, event: Any) -> None:
         if event is not None:
             event.synchronize()
         step = int(entry.step)
-        record = entry.record
+        pk = _Packer()
+        header: dict[str, Any] = {"kind": "step", "step": step, "record": entry.record,
+                                  "batch": pk.tree(entry.batch)}
+        if entry.rng is not None:
+            from .rng import rng_to_json  # noqa: PLC0415
 
-        def fill(f: Any) -> None:
-            f.attrs["step"] = step
-            if record is not None:
-                f.attrs["record"] = json.dumps(record)
-            write_step(f, CaptureStep(step, entry.batch, entry.rng))
-
-        write_h5_atomic(self.dir / f"step-{step:09d}.h5", fill, entry.nbytes or tree_bytes(entry.batch),
-                        durable=False, what="on-disk ring step")
+            meta, arrays = rng_to_json(dict(entry.rng))
+            header["rng"] = {"meta": meta, "arrays": {k: pk.add(np.asarray(v)) for k, v in arrays.items()}}
+        _write_ring_file(self.dir / f"step-{step:09d}.ring", header, pk)
         self._steps.append(step)
         self._prune()
 
@@ -205,7 +297,7 @@ class DiskRingWriter:
         while self._steps and (len(self._steps) > self.window or
                                (oldest is not None and self._steps[0] < oldest)):
             old = self._steps.pop(0)
-            (self.dir / f"step-{old:09d}.h5").unlink(missing_ok=True)
+            (self.dir / f"step-{old:09d}.ring").unlink(missing_ok=True)
 
     # ------------------------------------------------------------ lifetime
     def flush(self, timeout_s: float = 30.0) -> None:
@@ -332,7 +424,7 @@ def recover_ring(ring_dir: Path, who: str = "sentineld") -> Path | None:
 def _assemble(h5py: Any, ring_dir: Path, path: Path, meta: dict[str, Any], rank: int, first: int,
               last: int, who: str) -> None:
     stream_recs = _records_from_stream(path.parent, rank, first, last)
-    sources = [ring_dir / f"snap-{first:09d}.h5"] + [ring_dir / f"step-{n:09d}.h5" for n in range(first, last + 1)]
+    sources = [ring_dir / f"snap-{first:09d}.ring"] + [ring_dir / f"step-{n:09d}.ring" for n in range(first, last + 1)]
     estimate = sum(p.stat().st_size for p in sources)
 
     def fill(f: Any) -> None:
@@ -342,25 +434,32 @@ def _assemble(h5py: Any, ring_dir: Path, path: Path, meta: dict[str, Any], rank:
             message=(f"process {meta.get('pid', '?')} died without closing the agent (SIGKILL, "
                      f"the OOM killer?); assembled from its on-disk ring by {who}"),
             torch_version=str(meta.get("torch_version", "")))
-        with h5py.File(sources[0], "r") as src:
-            src.copy(src["snapshot"], f, "snapshot")
+        header, body, mm = _read_ring_file(sources[0])
+        try:
+            _put_tree(f.create_group("snapshot"), header["snapshot"], body)
+        finally:
+            del body
+            _close(mm)
         sg = f.create_group("steps")
         records = []
-        for n in range(first, last + 1):
-            with h5py.File(ring_dir / f"step-{n:09d}.h5", "r") as src:
+        for n, src in zip(range(first, last + 1), sources[1:]):
+            header, body, mm = _read_ring_file(src)
+            try:
                 g = sg.create_group(str(n))
-                for name in src:
-                    src.copy(src[name], g, name)
-                rec = src.attrs.get("record")
-            rec_obj = None
+                _put_tree(g.create_group("batch"), header["batch"], body)
+                rng = header.get("rng")
+                if rng:
+                    g.create_dataset("rng_meta", data=json.dumps(rng["meta"]))
+                    rg = g.create_group("rng")
+                    for name, desc in rng["arrays"].items():
+                        rg.create_dataset(name, data=_array(body, desc))
+            finally:
+                del body
+                _close(mm)
+            rec = header.get("record")
+            rec = rec if isinstance(rec, dict) else stream_recs.get(n)
             if rec is not None:
-                try:
-                    rec_obj = json.loads(rec)
-                except (TypeError, ValueError):
-                    rec_obj = None
-            rec_obj = rec_obj if isinstance(rec_obj, dict) else stream_recs.get(n)
-            if rec_obj is not None:
-                records.append(rec_obj)
+                records.append(rec)
         f.create_dataset("records", data=json.dumps(records))
 
     write_h5_atomic(path, fill, estimate, durable=True, what="crash capture")

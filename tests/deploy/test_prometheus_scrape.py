@@ -192,7 +192,6 @@ def test_dashboard_queries_return_the_run(scraped_run: ScrapedRun) -> None:
     assert _empty_panels(scraped_run) == []
 
 
-@pytest.mark.xfail(strict=False, reason="the agent does not sample per-layer statistics yet")
 def test_dashboard_per_layer_panels_return_the_run(scraped_run: ScrapedRun) -> None:
     assert _empty_panels(scraped_run, PER_LAYER) == []
 

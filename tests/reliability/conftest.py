@@ -285,7 +285,7 @@ class Zygote:
         self.proc.wait(timeout=30)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def zygote() -> Iterator[Zygote]:
     z = Zygote()
     yield z

@@ -5,6 +5,7 @@ at interpreter exit without ``close()``; and with the on-disk ring, even after S
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -27,25 +28,26 @@ def _end_reason(run_dir: Path) -> str | None:
     return ends[-1]["reason"] if ends else None
 
 
-def test_sigterm_writes_crash_capture_and_keeps_the_signals_effect(tmp_path):
+def test_sigterm_writes_crash_capture_and_keeps_the_signals_effect(zygote, tmp_path):
     runs = tmp_path / "runs"
     base = dict(runs_dir=str(runs), steps=100_000, sleep_s=0.005, marker_step=25,
-                agent={"snapshot_every": 10, "flush_s": 0.05})
+                agent={"snapshot_every": 10, "flush_s": 0.05}, log=str(tmp_path / "train.log"))
     specs = {
         "default": dict(base, run_id="term-default", marker=str(tmp_path / "m-default")),
         "chained": dict(base, run_id="term-chained", marker=str(tmp_path / "m-chained"),
                         user_sigterm_marker=str(tmp_path / "user-handler-ran")),
-        "ignored": dict(base, run_id="term-ignored", marker=str(tmp_path / "m-ignored"), steps=60),
+        "ignored": dict(base, run_id="term-ignored", marker=str(tmp_path / "m-ignored"), steps=60,
+                        ignore_sigterm=True),
     }
-    specs["ignored"]["ignore_sigterm"] = True
-    procs = {k: run_once(s) for k, s in specs.items()}  # concurrently: three torch imports
-    for k, p in procs.items():
-        wait_until(lambda: Path(specs[k]["marker"]).exists() or p.poll() is not None, 120, f"{k} at step 25")
-        p.send_signal(signal.SIGTERM)
-    outs = {k: p.communicate(timeout=120) for k, p in procs.items()}
+    pids = {k: zygote.train(**s) for k, s in specs.items()}
+    for k, pid in pids.items():
+        wait_until(lambda: Path(specs[k]["marker"]).exists(), 60, f"{k} at step 25")
+        os.kill(pid, signal.SIGTERM)
+    status = {k: zygote.reap(pid) for k, pid in pids.items()}
+    log = (tmp_path / "train.log").read_text() if (tmp_path / "train.log").exists() else ""
 
     # Default action kept: the process still dies by SIGTERM, after writing the capture.
-    assert procs["default"].returncode == -signal.SIGTERM, outs["default"][1].decode()[-2000:]
+    assert status["default"] == -signal.SIGTERM, log[-2000:]
     [cap] = _captures(runs / "term-default", "crash")
     info = check_capture(cap)
     assert "SIGTERM" in info["message"] and info["first_step"] >= 25
@@ -53,12 +55,12 @@ def test_sigterm_writes_crash_capture_and_keeps_the_signals_effect(tmp_path):
     check_stream(runs / "term-default" / "stream-rank0.jsonl")
 
     # A handler the loop installed before attach still runs (here it exits with 143).
-    assert procs["chained"].returncode == 143, outs["chained"][1].decode()[-2000:]
+    assert status["chained"] == 143, log[-2000:]
     assert (tmp_path / "user-handler-ran").exists()
     check_capture(_captures(runs / "term-chained", "crash")[0])
 
     # SIGTERM ignored before attach stays ignored: the run finishes, no crash capture.
-    assert procs["ignored"].returncode == 0, outs["ignored"][1].decode()[-2000:]
+    assert status["ignored"] == 0, log[-2000:]
     assert _captures(runs / "term-ignored") == []
     assert _end_reason(runs / "term-ignored") == "finished"
 
@@ -87,23 +89,22 @@ def test_uncaught_exception_without_with_and_exit_without_close(tmp_path):
     assert _end_reason(runs / "noclose") == "finished"
 
 
-def test_disk_ring_sigkill_leaves_a_replayable_crash_capture(tmp_path):
+def test_disk_ring_sigkill_leaves_a_replayable_crash_capture(zygote, tmp_path):
     """SIGKILL (what the OOM killer sends) gives no chance to write anything: with
     ``disk_ring=True`` the ring is already on disk, and ``sentineld recover`` (or the daemon)
     turns it into a crash capture that the replay rebuilds bit for bit."""
     runs = tmp_path / "runs"
     marker = tmp_path / "at-step"
-    p = run_once(dict(run_id="ring", runs_dir=str(runs), steps=100_000, sleep_s=0.005, marker=str(marker),
-                      marker_step=47, recipe="tests.reliability.zygote:make_recipe", hidden=64,
-                      agent={"snapshot_every": 10, "window": 32, "disk_ring": True, "flush_s": 0.05}))
-    wait_until(lambda: marker.exists() or p.poll() is not None, 120, "step 47")
+    pid = zygote.train(run_id="ring", runs_dir=str(runs), steps=100_000, sleep_s=0.005, marker=str(marker),
+                       marker_step=47, recipe="tests.reliability.zygote:make_recipe", hidden=64,
+                       agent={"snapshot_every": 10, "window": 32, "disk_ring": True, "flush_s": 0.05})
+    wait_until(marker.exists, 60, "step 47")
     time.sleep(0.3)
     ring = next((runs / "ring").glob("ring-rank0-*"))
     # Bounded on disk: at most 2 snapshots and `window` steps.
-    assert len(list(ring.glob("snap-*.h5"))) <= 2 and len(list(ring.glob("step-*.h5"))) <= 32
-    p.send_signal(signal.SIGKILL)
-    p.communicate(timeout=30)
-    assert p.returncode == -signal.SIGKILL
+    assert len(list(ring.glob("snap-*.ring"))) <= 2 and len(list(ring.glob("step-*.ring"))) <= 32
+    os.kill(pid, signal.SIGKILL)
+    assert zygote.reap(pid) == -signal.SIGKILL
     assert _captures(runs / "ring") == []  # the process wrote nothing on its way out
 
     out = subprocess.run([sys.executable, "-m", "sentineld", "recover", str(runs / "ring")], cwd=REPO,

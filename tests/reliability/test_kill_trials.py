@@ -55,7 +55,7 @@ def test_sigkill_at_random_points(zygote, make_daemon, tmp_path):
         elif mode == "ring":  # while the on-disk ring writes a snapshot or a step
             _wait_for(lambda: (run_dir / "stream-rank0.jsonl").exists(), pid, 30)
             time.sleep(rng.uniform(0.0, 0.4))
-            hit = _wait_for(lambda: any(run_dir.glob("ring-*/*.h5.tmp")), pid, 5)
+            hit = _wait_for(lambda: any(run_dir.glob("ring-*/*.tmp")), pid, 5)
         else:
             _wait_for(lambda: (run_dir / "run.json").exists(), pid, 30)
             time.sleep(rng.uniform(0.0, 0.5))

@@ -7,15 +7,17 @@ Children stay zombies until reaped, so the test never signals a recycled pid.
 
 A trial (``train``): an MLP with Adam, ``steps`` steps of random data, a NaN planted in the
 input at step ``nan_at`` (-1: none), ``sleep_s`` between steps, the agent attached with the
-given settings (``agent``: AgentConfig fields). Also usable directly:
-``python zygote.py --once SPEC_JSON`` runs one trial in this process (for the SIGTERM and
-excepthook tests, where the parent of the trial must be a plain interpreter).
+given settings (``agent``: AgentConfig fields); optionally a SIGTERM handler of the loop's own,
+or SIGTERM ignored, before attach. Also usable directly: ``python zygote.py --once SPEC_JSON``
+runs one trial as a plain interpreter (for the excepthook and exit tests, where the
+interpreter's own shutdown sequence must run).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -34,6 +36,14 @@ def make_model(hidden: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def train(spec: dict) -> None:
     torch.set_num_threads(1)
+    if spec.get("user_sigterm_marker"):
+        def _user_handler(signum, frame):  # a loop's own graceful-shutdown handler, set before attach
+            open(spec["user_sigterm_marker"], "w").close()
+            sys.exit(143)
+
+        signal.signal(signal.SIGTERM, _user_handler)
+    if spec.get("ignore_sigterm"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     hidden = int(spec.get("hidden", 256))
     model, opt = make_model(hidden)
     recipe = spec.get("recipe")
@@ -84,6 +94,8 @@ def serve() -> None:
                     os.dup2(devnull, 0)
                     train(req)
                     code = 0
+                except SystemExit as exc:
+                    code = exc.code if isinstance(exc.code, int) else 1
                 except BaseException:  # noqa: BLE001
                     import traceback
 
@@ -99,20 +111,7 @@ def serve() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--once":
-        spec = json.loads(sys.argv[2])
-        if spec.get("user_sigterm_marker"):
-            import signal
-
-            def _user_handler(signum, frame):  # a loop's own graceful-shutdown handler
-                open(spec["user_sigterm_marker"], "w").close()
-                sys.exit(143)
-
-            signal.signal(signal.SIGTERM, _user_handler)
-        if spec.get("ignore_sigterm"):
-            import signal
-
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        train(spec)
+        train(json.loads(sys.argv[2]))
     else:
         # Warm what a trial would import lazily, without running any torch op (no thread pool
         # exists yet, so forking stays safe): the optimizer pulls in torch._dynamo (seconds).

@@ -47,7 +47,7 @@ from .diskring import recover_ring, ring_state
 from .messages import alert_text, recovery_text, replay_failed_text, verdict_text
 from .outbox import Notification, Outbox, notification_id
 from .replayer import ReplayOutcome, run_replay_subprocess
-from .rundir import make_private_dir
+from .rundir import make_private_dir, parse_capture_name
 from .runwatch import Active, RunWatch, load_progress, merge_verdicts, save_progress, transitions
 
 __all__ = ["Daemon", "AlreadyRunning", "read_status", "daemon_pid"]
@@ -384,6 +384,9 @@ class Daemon:
                 self._evaluate(rw, live=not more)
             for cap in caps:
                 rw.captures_seen.add(cap.name)
+                parsed = parse_capture_name(cap.name)
+                if parsed is not None and parsed[2] == "crash":
+                    self._crash_alert(rw, cap, parsed[0], parsed[1])
             changed |= bool(new or caps)
             if not more:
                 break
@@ -564,6 +567,25 @@ class Daemon:
             self._save(rw)
         self._am_fire(rw, a, title, body)
         log.info("run %s: %s %s at step %d (ranks %s)", rw.run_id, a.severity, a.signature, a.step, a.ranks)
+
+    def _crash_alert(self, rw: RunWatch, cap: Path, rank: int, step: int) -> None:
+        """A training process died (exception, SIGTERM, SIGKILL with the disk ring): say so, with
+        the exception, and how to replay the last steps it recorded."""
+        from .capture import CaptureError, open_capture  # noqa: PLC0415
+
+        try:
+            with open_capture(cap) as c:
+                reason = c.message or "no exception recorded"
+        except CaptureError as exc:
+            reason = f"(capture unreadable: {exc})"
+        title = f"[sentineld] CRITICAL run {rw.run_id} crashed (rank {rank}) after step {step}"
+        body = (f"The training process of run {rw.run_id} (rank {rank}) ended abnormally after step "
+                f"{step}: {reason}\nIts last steps are in {cap.name}; the step that raised was never "
+                f"completed, so replay the recorded ones: sentineld replay {rw.run_dir} --step {step}\n")
+        self._enqueue(Notification(id=notification_id(rw.run_id, "crashed", cap.name), kind="alert",
+                                   title=title, body=body, severity="critical", run=rw.run_id,
+                                   signature="crashed", step=step, data={"rank": rank, "reason": reason}))
+        log.info("run %s: crashed after step %d (rank %d): %s", rw.run_id, step, rank, reason)
 
     def _recovery(self, rw: RunWatch, a: Active, step: int) -> None:
         title, body = recovery_text(rw.run_id, a.signature, step, a.module)

@@ -27,18 +27,14 @@ itself (``watch.enabled`` becomes False), leaving model and optimizer as they we
 
 from __future__ import annotations
 
-import atexit
 import inspect
 import json
 import logging
 import math
 import os
-import signal
 import socket
-import sys
 import threading
 import time
-import weakref
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable
@@ -55,71 +51,13 @@ from sentineld.stream import StreamWriter
 
 from .config import AgentConfig, default_runs_dir
 from .exporter import Latest, start_exporter
+from .exits import EXITS
 from .ring import Ring, RingEntry, Snapshot, to_host, tree_nbytes
+from .runinfo import default_run_id, dist_rank, torch_flags, unused_run_id, unwrap
 
 __all__ = ["Watch", "attach"]
 
 log = logging.getLogger("sentineld.agent")
-
-
-def _dist_rank() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torch.distributed or the launcher's environment."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    else:
-        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    return rank, world, int(os.environ.get("LOCAL_RANK", rank))
-
-
-def _default_run_id() -> str:
-    for var in ("SENTINELD_RUN_ID", "TORCHELASTIC_RUN_ID"):
-        if os.environ.get(var) and valid_run_id(os.environ[var]):
-            return os.environ[var]
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The model whose state_dict a plain recipe model loads: inside DDP/DP/FSDP and
-    ``torch.compile`` wrappers (not any module that merely has a child named ``module``)."""
-    wrappers: tuple[type, ...] = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel  # noqa: PLC0415
-
-        wrappers += (FullyShardedDataParallel,)
-    except ImportError:
-        pass
-    while True:
-        if isinstance(model, wrappers):
-            model = model.module
-        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
-            model = model._orig_mod
-        else:
-            return model
-
-
-def _torch_flags() -> dict[str, Any]:
-    """Process-wide settings a step's numerics depend on; the replay applies them."""
-    return {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
-            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
-            "float32_matmul_precision": torch.get_float32_matmul_precision()}
-
-
-def _unused_run_id(parent: Path, run_id: str, rank: int) -> str:
-    """``run_id``, or ``run_id.2``, ``.3``... when this rank already wrote a stream under it.
-
-    Re-running a script with a fixed run id must not append to the old stream or overwrite its
-    captures (the daemon would see nothing new). All ranks of a relaunched job skip the same ids.
-    """
-    candidate, n = run_id, 1
-    while (parent / candidate / f"stream-rank{rank}.jsonl").exists():
-        n += 1
-        suffix = f".{n}"
-        candidate = run_id[: 128 - len(suffix)] + suffix  # run ids are at most 128 characters
-    if candidate != run_id:
-        log.warning("sentineld: run %s already has a stream for rank %d; this run is %s",
-                    run_id, rank, candidate)
-    return candidate
 
 
 class _Pending:
@@ -167,7 +105,7 @@ class Watch:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        run_id = run_id or _default_run_id()
+        run_id = run_id or default_run_id()
         if not valid_run_id(run_id):
             raise ValueError(f"run_id {run_id!r} must be 1-128 letters, digits, '.', '_' or '-'")
         if recipe is not None and ":" not in recipe:
@@ -176,8 +114,8 @@ class Watch:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         # DDP/FSDP-style wrappers hold the real model in .module: snapshots and parameter names
         # use it, so the replay's plain model loads them without a "module." prefix.
-        self._inner = _unwrap(model)
-        self.rank, world, local_rank = _dist_rank()
+        self._inner = unwrap(model)
+        self.rank, world, local_rank = dist_rank()
         self._clock, self._wall = clock, wall_clock
         self._accumulating = accumulation_steps > 1
         self.enabled = True
@@ -191,12 +129,12 @@ class Watch:
             raise ValueError(f"recipe_args must be JSON values (str, numbers, bools, lists, dicts): {exc}") from None
         parent = Path(runs_dir or default_runs_dir())
         try:
-            run_id = _unused_run_id(parent, run_id, self.rank)
+            run_id = unused_run_id(parent, run_id, self.rank)
             self.run_dir = make_private_dir(parent / run_id)
             write_run_meta(self.run_dir, RunMeta(
                 run_id=run_id, recipe=recipe, recipe_args=dict(recipe_args or {}), rank=self.rank,
                 world_size=world, torch_version=str(torch.__version__), num_threads=torch.get_num_threads(),
-                num_classes=num_classes, started_s=wall_clock(), extra={"torch_flags": _torch_flags()}))
+                num_classes=num_classes, started_s=wall_clock(), extra={"torch_flags": torch_flags()}))
             self.stream = StreamWriter(stream_path(self.run_dir, self.rank), self.config.flush_s)
         except OSError as exc:
             # Monitoring must not stop the training it watches: run on, switched off.
@@ -272,7 +210,7 @@ class Watch:
             from .probes import attach_probes  # noqa: PLC0415
 
             self._probes = attach_probes(self._inner, optimizer, every=self.config.layer_every)
-        _EXITS.register(self)
+        EXITS.register(self)
 
     # ----------------------------------------------------------------- hooks
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
@@ -575,7 +513,7 @@ class Watch:
         if self._closed:
             return
         self._closed = True
-        _EXITS.unregister(self)
+        EXITS.unregister(self)
         self._remove_hooks()
         if self.enabled:
             try:
@@ -629,97 +567,6 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-#: Seconds the SIGTERM path waits for its capture: schedulers SIGKILL after a grace period
-#: (Kubernetes 30 s, Slurm KillWait 30 s), and the process must still die by SIGTERM before that.
-SIGTERM_CAPTURE_TIMEOUT_S = 20.0
-
-
-class _ExitPaths:
-    """Process-wide hooks shared by every open :class:`Watch`: the ways a process ends without
-    ``close()`` (an uncaught exception, SIGTERM, interpreter exit) write the crash capture first.
-
-    - ``sys.excepthook``: a ``crash`` capture naming the exception (not for KeyboardInterrupt),
-      then the previous hook (which prints the traceback as before).
-    - SIGTERM (main thread, unless SIGTERM is ignored): a ``crash`` capture, then the previous
-      handler is called, or (default action) the handler is reset and the signal re-sent, so the
-      process still dies by SIGTERM with the usual exit status.
-    - ``atexit``: a watch left open is closed (pending captures are finished, not cut off).
-
-    Each hook is installed once, chains what was there, and is removed when the last watch
-    closes if it is still the one in place.
-    """
-
-    def __init__(self) -> None:
-        self.watches: weakref.WeakSet[Watch] = weakref.WeakSet()
-        self.prev_hook: Any = None
-        self.prev_term: Any = None
-        self.term_installed = False
-        self.atexit_registered = False
-
-    def register(self, w: Watch) -> None:
-        self.watches.add(w)
-        if not self.atexit_registered:
-            atexit.register(self._at_exit)
-            self.atexit_registered = True
-        if w.config.capture_on_crash and sys.excepthook != self._excepthook:
-            self.prev_hook, sys.excepthook = sys.excepthook, self._excepthook
-        if (w.config.capture_on_sigterm and not self.term_installed
-                and threading.current_thread() is threading.main_thread()):
-            try:
-                prev = signal.getsignal(signal.SIGTERM)
-                if prev != signal.SIG_IGN:
-                    signal.signal(signal.SIGTERM, self._on_sigterm)
-                    self.prev_term, self.term_installed = prev, True
-            except (ValueError, OSError) as exc:  # not the main interpreter, or no signals here
-                log.debug("sentineld: no SIGTERM handler: %s", exc)
-
-    def unregister(self, w: Watch) -> None:
-        self.watches.discard(w)
-        if len(self.watches):
-            return
-        if sys.excepthook == self._excepthook:
-            sys.excepthook, self.prev_hook = self.prev_hook or sys.__excepthook__, None
-        if self.term_installed and threading.current_thread() is threading.main_thread():
-            try:
-                if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-                    signal.signal(signal.SIGTERM, self.prev_term if self.prev_term is not None
-                                  else signal.SIG_DFL)
-                self.term_installed, self.prev_term = False, None
-            except (ValueError, OSError):
-                pass
-
-    def _crash_all(self, message: str, reason: str, timeout_s: float) -> None:
-        for w in list(self.watches):
-            try:
-                w._crash(message, reason, timeout_s)
-            except Exception as exc:  # noqa: BLE001 - never in the way of the process ending
-                log.warning("sentineld: crash path failed: %r", exc)
-
-    def _excepthook(self, etype: type[BaseException], value: BaseException, tb: Any) -> None:
-        if not issubclass(etype, KeyboardInterrupt):
-            self._crash_all(f"{etype.__name__}: {value}", "crashed", 120.0)
-        (self.prev_hook or sys.__excepthook__)(etype, value, tb)
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        prev = self.prev_term
-        self._crash_all("terminated by SIGTERM (preemption or shutdown)", "terminated",
-                        SIGTERM_CAPTURE_TIMEOUT_S)
-        if callable(prev):
-            prev(signum, frame)
-            return
-        # Default action: die by the signal, exactly as without the agent.
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-    def _at_exit(self) -> None:
-        for w in list(self.watches):
-            try:
-                w.close("finished")
-            except Exception:  # noqa: BLE001
-                pass
-
-
-_EXITS = _ExitPaths()
 
 
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Watch:

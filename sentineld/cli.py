@@ -248,16 +248,10 @@ def recover(run: str, runs_dir: str | None) -> None:
     without a daemon. Rings of live processes are left alone.
     """
     from .diskring import recover_run  # noqa: PLC0415
-    from .rundir import RunDirError, resolve_run  # noqa: PLC0415
+    from .rundir import RunDirError  # noqa: PLC0415
 
     try:
-        rd = runs_dir
-        if rd is None:
-            try:
-                rd = str(load_config().runs_dir)
-            except ConfigError:
-                rd = None
-        run_dir = resolve_run(run, rd)
+        run_dir = _run_dir(run, runs_dir)
         caps = recover_run(run_dir, who="sentineld recover")
     except RunDirError as exc:
         _fail(str(exc))
@@ -267,6 +261,22 @@ def recover(run: str, runs_dir: str | None) -> None:
         click.echo(str(c))
     if not caps:
         click.echo(f"no on-disk ring of a dead process in {run_dir}")
+
+
+def _run_dir(run: str, runs_dir: str | None) -> Path:
+    """RUN as a directory: a path, or an id under --runs-dir / the configured runs dir.
+
+    Raises:
+        RunDirError: neither exists.
+    """
+    from .rundir import resolve_run  # noqa: PLC0415
+
+    if runs_dir is None:
+        try:
+            runs_dir = str(load_config().runs_dir)
+        except ConfigError:
+            runs_dir = None
+    return resolve_run(run, runs_dir)
 
 
 # --------------------------------------------------------------------- replay
@@ -290,29 +300,23 @@ def _replay(run: str, step: int | None, as_json: bool, recipe: str | None, captu
             trust: bool, runs_dir: str | None, rank: int | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="sentineld: %(message)s", stream=sys.stderr)
     from .capture import CaptureError  # noqa: PLC0415
-    from .rundir import RunDirError, resolve_run  # noqa: PLC0415
+    from .rundir import RunDirError  # noqa: PLC0415
 
     try:
-        rd = runs_dir
-        if rd is None:
-            try:
-                rd = str(load_config().runs_dir)
-            except ConfigError:
-                rd = None
-        run_dir = resolve_run(run, rd)
+        run_dir = _run_dir(run, runs_dir)
         if capture is not None:
             from .capture import open_capture  # noqa: PLC0415
 
             with open_capture(capture):  # a damaged capture fails here, before torch is imported
                 pass
-        from sentineld.replay import ReplayError, render_text, replay_run  # noqa: PLC0415
-        from sentineld.replay.trust import RecipeError, UntrustedError  # noqa: PLC0415
+        from sentineld.replay import render_text, replay_run  # noqa: PLC0415
 
         with _stdout_to_stderr():  # the user's code may print: stdout carries only the verdict
             report = replay_run(run_dir, step, recipe=recipe, trust=trust, capture=capture, rank=rank)
     except (RunDirError, CaptureError) as exc:
         _fail(str(exc))
     except Exception as exc:  # noqa: BLE001
+        # Matched by name: the replay package (and torch) is imported only after the cheap checks.
         if type(exc).__name__ in ("ReplayError", "RecipeError", "UntrustedError"):
             _fail(str(exc))
         raise

@@ -101,7 +101,7 @@ def test_attach_twice_close_twice_and_use_after_close(tmp_path):
     w2.step(loss, b)
     w2.close()
     assert len(m._forward_pre_hooks) == 0 and len(opt._optimizer_step_pre_hooks) == 0
-    from sentineld.agent.watch import _EXITS
+    from sentineld.agent.exits import EXITS as _EXITS
     assert w1 not in _EXITS.watches and w2 not in _EXITS.watches
     for w in (w1, w2):
         assert not problems(w.run_dir)

@@ -1,0 +1,78 @@
+"""Who and where a run is: rank, run id, the model inside wrappers, the numerics flags."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sentineld.rundir import valid_run_id
+
+__all__ = ["dist_rank", "default_run_id", "unwrap", "torch_flags", "unused_run_id"]
+
+log = logging.getLogger("sentineld.agent")
+
+
+def dist_rank() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torch.distributed or the launcher's environment."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return rank, world, int(os.environ.get("LOCAL_RANK", rank))
+
+
+def default_run_id() -> str:
+    for var in ("SENTINELD_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        if os.environ.get(var) and valid_run_id(os.environ[var]):
+            return os.environ[var]
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model whose state_dict a plain recipe model loads: inside DDP/DP/FSDP and
+    ``torch.compile`` wrappers (not any module that merely has a child named ``module``)."""
+    wrappers: tuple[type, ...] = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel  # noqa: PLC0415
+
+        wrappers += (FullyShardedDataParallel,)
+    except ImportError:
+        pass
+    while True:
+        if isinstance(model, wrappers):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def torch_flags() -> dict[str, Any]:
+    """Process-wide settings a step's numerics depend on; the replay applies them."""
+    return {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+
+
+def unused_run_id(parent: Path, run_id: str, rank: int) -> str:
+    """``run_id``, or ``run_id.2``, ``.3``... when this rank already wrote a stream under it.
+
+    Re-running a script with a fixed run id must not append to the old stream or overwrite its
+    captures (the daemon would see nothing new). All ranks of a relaunched job skip the same ids.
+    """
+    candidate, n = run_id, 1
+    while (parent / candidate / f"stream-rank{rank}.jsonl").exists():
+        n += 1
+        suffix = f".{n}"
+        candidate = run_id[: 128 - len(suffix)] + suffix  # run ids are at most 128 characters
+    if candidate != run_id:
+        log.warning("sentineld: run %s already has a stream for rank %d; this run is %s",
+                    run_id, rank, candidate)
+    return candidate

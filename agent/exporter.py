@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -34,10 +35,15 @@ class Latest:
     layers: dict[str, Any] = field(default_factory=dict)
 
 
+#: Labels of every agent series. ``host`` is the training host's name, as in the daemon's alerts
+#: (the scrape address may be 127.0.0.1 or an IP; prometheus.yml honours this label).
+_LABELS = ["run", "rank", "host"]
+
+
 class _Collector:
     def __init__(self, latest: Latest, run: str, rank: int) -> None:
         self.latest = latest
-        self.labels = [run, str(rank)]
+        self.labels = [run, str(rank), socket.gethostname()]
 
     def describe(self) -> list[Metric]:
         return []  # unchecked collector: names are known only at scrape time
@@ -49,12 +55,12 @@ class _Collector:
         def gauge(name: str, doc: str, value: float | None) -> Iterator[Metric]:
             if value is None:
                 return
-            g = GaugeMetricFamily(name, doc, labels=["run", "rank"])
+            g = GaugeMetricFamily(name, doc, labels=_LABELS)
             g.add_metric(lab, float(value))
             yield g
 
         def counter(name: str, doc: str, value: int) -> Metric:
-            c = CounterMetricFamily(name.removesuffix("_total"), doc, labels=["run", "rank"])
+            c = CounterMetricFamily(name.removesuffix("_total"), doc, labels=_LABELS)
             c.add_metric(lab, value)
             return c
 
@@ -79,7 +85,7 @@ class _Collector:
             ("sentineld_layer_update_ratio", "update_ratio", "Per-module ||dw||/||w|| (sampled)"),
             ("sentineld_layer_dead_ratio", "dead_fraction", "Per-module dead unit share (sampled)"),
         ):
-            g = GaugeMetricFamily(metric, doc, labels=["run", "rank", "module"])
+            g = GaugeMetricFamily(metric, doc, labels=[*_LABELS, "module"])
             for name, stats in lt.layers.items():
                 v = getattr(stats, attr, None)
                 if v is not None and not (isinstance(v, float) and math.isnan(v) and attr != "grad_norm"):

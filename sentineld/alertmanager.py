@@ -48,6 +48,7 @@ __all__ = [
     "flush",
     "SEVERITIES",
     "MAX_RESEND_S",
+    "DAEMON_HOLD_S",
 ]
 
 #: Severity label values; deploy/alertmanager routes "critical" and "warning".
@@ -56,6 +57,12 @@ SEVERITIES = ("critical", "warning", "info")
 #: Longest allowed re-send period in seconds: Alertmanager's client docs ask for re-sends every
 #: 30 s to 3 min (prometheus.io/docs/alerting/latest/clients).
 MAX_RESEND_S = 180.0
+
+#: How long Alertmanager keeps a daemon alert after the daemon's last re-send (seconds). The
+#: daemon owns the lifetime of its alerts: they resolve when the run recovers, not when the daemon
+#: stops (a restart restores and re-sends them); a daemon that stays down is paged as
+#: SentineldDaemonDown long before this runs out.
+DAEMON_HOLD_S = 24 * 3600.0
 
 Alert = dict[str, Any]
 Labels = Mapping[str, str]
@@ -151,6 +158,7 @@ def to_am_alert(
     ends_at: float | datetime | None = None,
     module: str | None = None,
     generator_url: str | None = None,
+    extra_annotations: Mapping[str, str] | None = None,
 ) -> Alert:
     """Build one Alertmanager v2 alert (a JSON-ready dict) from a daemon alert's fields.
 
@@ -171,6 +179,8 @@ def to_am_alert(
         module: qualified module name for per-layer signatures; becomes a label, so two
             modules firing the same signature are two alerts.
         generator_url: link back to the source (e.g. the daemon's status page); omitted if None.
+        extra_annotations: more annotations (e.g. ``replay``: what the replay found or why it
+            did not run); empty values are left out.
 
     Returns:
         ``{"labels": {alertname, run, severity, signature, [module]}, "annotations": {summary,
@@ -199,6 +209,9 @@ def to_am_alert(
         alert["annotations"]["step"] = str(step)
     if rank_list:
         alert["annotations"]["rank"] = ",".join(str(r) for r in rank_list)
+    for k, v in (extra_annotations or {}).items():
+        if v:
+            alert["annotations"][_nonempty(k, "annotation name")] = str(v)
     if ends_at is not None:
         alert["endsAt"] = _rfc3339(ends_at, "ends_at")
     if generator_url is not None:
@@ -277,9 +290,13 @@ class ActiveAlerts:
             :data:`MAX_RESEND_S` (Alertmanager's client docs: every 30 s to 3 min). An alert
             whose sender stopped resolves ``4 * resend_s`` after the last send.
         clock: returns Unix seconds; ``time.time`` by default (``endsAt`` is wall-clock time).
+        hold_s: ``endsAt`` of a firing alert is ``now + hold_s``; None = ``4 * resend_s`` (what
+            Prometheus does). The daemon holds its alerts for :data:`DAEMON_HOLD_S` so that a
+            stopped daemon does not resolve an incident that is still there (issue 16).
 
     Raises:
-        ValueError: ``resend_s`` not in (0, MAX_RESEND_S].
+        ValueError: ``resend_s`` not in (0, MAX_RESEND_S], or ``hold_s`` shorter than
+            ``2 * resend_s`` (one lost re-send would resolve the alert).
     """
 
     #: endsAt of a firing alert = now + TTL_FACTOR * resend_s (Prometheus: 4 * resend delay).
@@ -290,6 +307,7 @@ class ActiveAlerts:
         resend_s: float = 60.0,
         *,
         clock: Callable[[], float] = time.time,
+        hold_s: float | None = None,
     ) -> None:
         if not 0 < resend_s <= MAX_RESEND_S:
             raise ValueError(
@@ -297,6 +315,9 @@ class ActiveAlerts:
                 f"for re-sends every 30 s to 3 min), got {resend_s!r}"
             )
         self.resend_s = float(resend_s)
+        self.hold_s = self.TTL_FACTOR * self.resend_s if hold_s is None else float(hold_s)
+        if not self.hold_s >= 2 * self.resend_s:
+            raise ValueError(f"hold_s must be >= 2 * resend_s ({2 * self.resend_s:g} s), got {hold_s!r}")
         self._clock = clock
         self._firing: dict[tuple[tuple[str, str], ...], _Entry] = {}
         self._resolving: dict[tuple[tuple[str, str], ...], Alert] = {}
@@ -359,7 +380,7 @@ class ActiveAlerts:
         """
         now = self._clock()
         out = [dict(a) for a in self._resolving.values()]
-        ends_at = _rfc3339(now + self.TTL_FACTOR * self.resend_s, "endsAt")
+        ends_at = _rfc3339(now + self.hold_s, "endsAt")
         for entry in self._firing.values():
             if entry.sent_s is None or now - entry.sent_s >= self.resend_s:
                 out.append({**entry.alert, "endsAt": ends_at})

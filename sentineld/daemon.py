@@ -194,7 +194,9 @@ class Daemon:
         m["failures"] = Counter("sentineld_alert_delivery_failures", "Failed delivery attempts", registry=reg)
         m["pending"] = Gauge("sentineld_alerts_pending", "Notifications not yet delivered", registry=reg)
         m["replays"] = Counter("sentineld_replays", "Replays finished", ["result"], registry=reg)
-        for result in ("localized", "not_localized", "not_reproduced", "failed", "timeout"):
+        m["watched"] = Gauge("sentineld_run_watched", "1 for each run this daemon watches (rules defer to it)",
+                             ["run"], registry=reg)
+        for result in ("localized", "not_localized", "not_reproduced", "failed", "timeout", "no_recipe"):
             m["replays"].labels(result)  # export 0 from the start so increase() sees the first one
         port = 0 if self.cfg.metrics_port == -1 else self.cfg.metrics_port
         try:
@@ -288,7 +290,9 @@ class Daemon:
             if self.cfg.alertmanager_url:
                 from .alertmanager import ActiveAlerts  # noqa: PLC0415
 
-                self._am = ActiveAlerts(resend_s=60.0)
+                from .alertmanager import DAEMON_HOLD_S  # noqa: PLC0415
+
+                self._am = ActiveAlerts(resend_s=60.0, hold_s=DAEMON_HOLD_S)
             urls = ", ".join(d.shown for d in self.dests) or "none (notifications log only)"
             log.info("sentineld daemon %d watching %s; state %s; notify: %s", os.getpid(),
                      self.cfg.runs_dir, self.state_dir, urls)
@@ -482,7 +486,10 @@ class Daemon:
         for key, a in current.items():
             if key in rw.active:  # ranks that show a firing signature later join it
                 ranks = rw.active[key]["ranks"]
-                ranks.extend(r for r in a.ranks if r not in ranks)
+                joined = [r for r in a.ranks if r not in ranks]
+                ranks.extend(joined)
+                if joined and rw.active[key].get("notified"):
+                    self._am_refresh(rw, rw.active[key])
         multi_rank = rw.meta is not None and rw.meta.world_size > 1
         for a in fired:
             last_s = rw.last_alert_s.get(a.key)
@@ -511,6 +518,8 @@ class Daemon:
                 self._am_resolve(rw, a)
             elif not held:
                 self._recovery(rw, a, last)  # a held alert that cleared was never sent
+        if cleared and not rw.active:
+            self._am_resolve_extras(rw)
         if fired or cleared:
             self._save(rw)
             self._update_active_gauge(rw)
@@ -585,6 +594,7 @@ class Daemon:
         self._enqueue(Notification(id=notification_id(rw.run_id, "crashed", cap.name), kind="alert",
                                    title=title, body=body, severity="critical", run=rw.run_id,
                                    signature="crashed", step=step, data={"rank": rank, "reason": reason}))
+        self._am_extra(rw, "crashed", title, body, step, rank)
         log.info("run %s: crashed after step %d (rank %d): %s", rw.run_id, step, rank, reason)
 
     def _recovery(self, rw: RunWatch, a: Active, step: int) -> None:
@@ -610,7 +620,51 @@ class Daemon:
             self._am.fire(to_am_alert(signature=a.signature, run=rw.run_id, severity=a.severity,
                                       summary=title, description=body, step=a.step, ranks=a.ranks,
                                       host=rw.meta.host if rw.meta else "", starts_at=self.clock(),
-                                      module=a.module))
+                                      module=a.module, extra_annotations=self._am_annotations(rw)))
+
+    # Issue 16: one incident, one page. The helpers below keep Alertmanager's view of a run's
+    # incident complete: every rank, the replay's verdict, a crash, or why no replay comes.
+    def _am_annotations(self, rw: RunWatch) -> dict[str, str]:
+        from .am_incident import incident_annotations  # noqa: PLC0415
+
+        recipe = rw.meta.recipe if rw.meta else None
+        return incident_annotations(recipe, self.cfg.replay and rw.meta is not None, rw.run_id)
+
+    def _am_refresh(self, rw: RunWatch, act: dict[str, Any]) -> None:
+        """Re-post a firing alert whose ranks grew, so the first page lists every rank."""
+        a = _active(act)
+        host = rw.meta.host if rw.meta else ""
+        self._am_fire(rw, a, *alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step, a.message,
+                                         a.numbers, a.fix, a.module, host))
+
+    def _am_extra(self, rw: RunWatch, kind: str, title: str, body: str, step: int | None,
+                  rank: int | None) -> None:
+        """Post the replay verdict (``kind="replay"``) or a crash as an alert in the incident's group."""
+        if self._am is None:
+            return
+        from .am_incident import crash_alert, incident_severity, verdict_alert  # noqa: PLC0415
+
+        make = verdict_alert if kind == "replay" else crash_alert
+        sev = incident_severity(rw.active.values())
+        alert = make(run=rw.run_id, severity=sev, title=title, body=body, step=step, rank=rank,
+                     host=rw.meta.host if rw.meta else "", starts_at=self.clock())
+        with self._am_lock:
+            for labels in self._am.firing():  # a new verdict replaces the last one (other severity)
+                if labels.get("run") == rw.run_id and labels.get("signature") == kind:
+                    self._am.resolve(labels)
+            self._am.fire(alert)
+        self.wake_delivery()
+
+    def _am_resolve_extras(self, rw: RunWatch) -> None:
+        """The run recovered: its verdict and crash alerts resolve with the incident."""
+        if self._am is None:
+            return
+        from .am_incident import EXTRA_SIGNATURES  # noqa: PLC0415
+
+        with self._am_lock:
+            for labels in self._am.firing():
+                if labels.get("run") == rw.run_id and labels.get("signature") in EXTRA_SIGNATURES:
+                    self._am.resolve(labels)
 
     def _delivery_loop(self) -> None:
         while not self.stop_event.is_set():
@@ -624,8 +678,8 @@ class Daemon:
             if self._metrics:
                 if failed:
                     self._metrics["failures"].inc(failed)
-                if sent:
-                    self._metrics["sent"].labels("any").inc(sent)
+                for sig, n in res.by_signature.items():
+                    self._metrics["sent"].labels(sig).inc(n)
                 self._metrics["pending"].set(self.outbox.pending_count())
             if self._am is not None and self.cfg.alertmanager_url:
                 from .alertmanager import flush  # noqa: PLC0415
@@ -651,6 +705,9 @@ class Daemon:
             record = self._replay_record(rw, cap)
             if record.exists() or rw.meta is None:
                 continue
+            if rw.meta.recipe is None:
+                self._finish_replay(rw, cap, _no_recipe_outcome(rw.run_id), record)
+                continue
             log.info("run %s: replaying %s", rw.run_id, cap.name)
             try:
                 outcome = run_replay_subprocess(rw.meta, rw.run_dir, cap, timeout_s=self.cfg.replay_timeout_s,
@@ -668,7 +725,10 @@ class Daemon:
         if self._metrics:
             self._metrics["replays"].labels(outcome.result).inc()
         nid = notification_id(rw.run_id, "replay", cap.name)
-        if outcome.report is not None:
+        note: Notification | None = None
+        if outcome.result == "no_recipe":
+            pass  # not a second incident: the incident's alert says so (am_incident)
+        elif outcome.report is not None:
             title, body = verdict_text(outcome.report)
             sev = "critical" if outcome.report.get("phase") not in (None, "none") else "warning"
             note = Notification(id=nid, kind="verdict", title=title, body=body, severity=sev,
@@ -679,7 +739,11 @@ class Daemon:
             note = Notification(id=nid, kind="verdict", title=title, body=body, severity="warning",
                                 run=rw.run_id, signature="replay_failed",
                                 data={"result": outcome.result, "reason": outcome.reason})
-        self._enqueue(note)
+        if note is not None:
+            self._enqueue(note)
+            parsed = parse_capture_name(cap.name)
+            self._am_extra(rw, "replay", note.title, note.body, note.step,
+                           parsed[0] if parsed else None)
         tmp = record.with_name(record.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -734,12 +798,20 @@ class Daemon:
                   "notify": [d.shown for d in self.dests], "runs": runs}
         if self._metrics:
             self._metrics["runs"].set(len(self.runs))
+            for rw in self.runs.values():
+                self._metrics["watched"].labels(rw.run_id).set(1)
         path = self.state_dir / "status.json"
         tmp = path.with_name("status.json.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(status, f, indent=1)
         os.replace(tmp, path)
+
+
+def _no_recipe_outcome(run: str) -> ReplayOutcome:
+    from .am_incident import NO_RECIPE, no_recipe_reason  # noqa: PLC0415
+
+    return ReplayOutcome(NO_RECIPE, None, no_recipe_reason(run), 0.0, None)
 
 
 def _all_signatures() -> list[tuple[str, str]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __all__ = ["AGENT", "AGENT_LAYER", "DAEMON", "ALL"]
 
-#: Per-step series exported by the agent (labels: run, rank).
+#: Per-step series exported by the agent (labels: run, rank, host = the training host's name).
 AGENT = {
     "sentineld_step": "gauge: last optimizer step recorded",
     "sentineld_train_loss": "gauge: loss of the last recorded step (NaN when non-finite)",
@@ -40,7 +40,9 @@ DAEMON = {
     "sentineld_alerts_sent_total": "counter{signature}: notifications delivered",
     "sentineld_alert_delivery_failures_total": "counter: failed delivery attempts (retried)",
     "sentineld_alerts_pending": "gauge: notifications in the outbox not yet delivered",
-    "sentineld_replays_total": "counter{result}: replays finished (localized|not_localized|failed|timeout)",
+    "sentineld_replays_total": "counter{result}: replays finished "
+    "(localized|not_localized|not_reproduced|failed|timeout|no_recipe)",
+    "sentineld_run_watched": "gauge{run}: 1 for each run the daemon watches (the non-finite rules defer to it)",
 }
 
 ALL = {**AGENT, **AGENT_LAYER, **DAEMON}

@@ -40,6 +40,7 @@ def promql_metric_names(expr: str) -> set[str]:
     expr = re.sub(r"\{[^}]*\}", "{}", expr)  # label matchers
     expr = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
     expr = re.sub(r"\[[^\]]*\]", "", expr)  # range and subquery durations
+    expr = re.sub(r"\boffset\s+\S+", "", expr)  # offset durations (also $__interval)
     names = set()
     for m in re.finditer(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\b(\s*\()?", expr):
         if not m.group(2) and m.group(1) not in _PROMQL_WORDS:

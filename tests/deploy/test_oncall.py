@@ -314,3 +314,67 @@ def test_alerts_sent_counter_carries_the_signature(scenario: Scenario) -> None:
 
 def test_host_label_is_the_host_name(scenario: Scenario) -> None:
     assert scenario.facts["host_options"] == [socket.gethostname()]
+
+
+def _panel_expr(title: str, ref: str = "A") -> str:
+    from .helpers import dashboard
+
+    (panel,) = [p for p in dashboard()["panels"] if p["title"] == title]
+    return next(t["expr"] for t in panel["targets"] if t["refId"] == ref)
+
+
+def _fill(expr: str, builtins: dict[str, str], **values: str) -> str:
+    """Grafana's substitution: builtins as given, variables by value (default "All" = .*)."""
+    import re
+
+    def repl(m: re.Match[str]) -> str:
+        name = m.group(1) or m.group(2)
+        return builtins.get(name) or values.get(name, ".*")
+
+    return re.sub(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)", repl, expr)
+
+
+def test_module_variable_offers_every_module_kind(scenario: Scenario) -> None:
+    from .helpers import template_variables
+
+    import re
+
+    definition = template_variables()["module"]["definition"]
+    selector = re.fullmatch(r"label_values\((.+),\s*module\)", definition).group(1)
+    at = scenario.facts["healthy_s"]
+    params = urllib.parse.urlencode({"match[]": _fill(selector, {}), "start": at - 30, "end": at})
+    options = {s["module"] for s in http_json(f"{scenario.prom.url}/api/v1/series?{params}")["data"]}
+    by_metric = {}
+    for m in ("sentineld_layer_grad_norm", "sentineld_layer_dead_ratio", "sentineld_layer_update_ratio"):
+        by_metric[m] = {x["metric"]["module"] for x in scenario.query(f"last_over_time({m}[30s])", at)}
+    assert by_metric["sentineld_layer_dead_ratio"], "the run exported no dead-ReLU series"
+    assert options == set().union(*by_metric.values())
+    # Picking a module that only the dead-ReLU panel shows still shows it.
+    relu = sorted(by_metric["sentineld_layer_dead_ratio"] - by_metric["sentineld_layer_grad_norm"])
+    assert relu, by_metric
+    expr = _fill(_panel_expr("Dead-ReLU shares"), {}, module=relu[0])
+    assert scenario.query(f"last_over_time(({expr})[30s:1s])", at)
+
+
+@pytest.mark.parametrize("step_s", [2, 5, 15])
+def test_nonfinite_bars_add_up_to_the_real_count(scenario: Scenario, step_s: int) -> None:
+    expr = _fill(_panel_expr("Non-finite steps"), {"__interval": f"{step_s}s", "__rate_interval": "1m"})
+    params = urllib.parse.urlencode({"query": expr, "start": scenario.t0, "end": scenario.exited_s + 10,
+                                     "step": step_s})
+    series = http_json(f"{scenario.prom.url}/api/v1/query_range?{params}")["data"]["result"]
+    bars: dict[tuple[str, str], float] = {}
+    for s in series:
+        key = (s["metric"]["run"], s["metric"]["rank"])
+        bars[key] = bars.get(key, 0.0) + sum(float(v) for _, v in s["values"])
+    assert bars == scenario.facts["nonfinite_total"], [s["metric"] for s in series]
+    assert scenario.facts["nonfinite_total"][("solo", "0")] == 3.0
+
+
+def test_replays_stat_is_the_integer_count(scenario: Scenario) -> None:
+    at = scenario.facts["before_stop_s"]
+    rng = f"{int(at - scenario.t0) + 1}s"
+    got = scenario.query(_fill(_panel_expr("Replays"), {"__range": rng}), at)
+    values = {x["metric"]["result"]: float(x["value"][1]) for x in got}
+    assert values == {"localized": 2.0, "no_recipe": 1.0, "failed": 0.0, "timeout": 0.0,
+                      "not_localized": 0.0, "not_reproduced": 0.0}
+    assert sum(values.values()) == scenario.facts["replays_run"]

@@ -275,3 +275,19 @@ def test_post_alerts_rejected_by_real_alertmanager(alertmanager: Server) -> None
         post_alerts(alertmanager.url, [{"labels": {}, "annotations": {}}])
     assert e.value.status in (400, 422)
     assert str(e.value.status) in str(e.value)
+
+
+def test_hold_s_sets_ends_at_and_is_checked() -> None:
+    """The daemon holds its alerts for DAEMON_HOLD_S: a stopped daemon resolves nothing for hours
+    (issue 16: they resolved 4 minutes after it stopped)."""
+    from sentineld.alertmanager import DAEMON_HOLD_S
+
+    now = [T0]
+    active = ActiveAlerts(resend_s=60.0, clock=lambda: now[0], hold_s=DAEMON_HOLD_S)
+    active.fire(alert())
+    (due,) = active.due()
+    ends = datetime.fromisoformat(due["endsAt"].replace("Z", "+00:00")).timestamp()
+    assert ends - T0 == pytest.approx(DAEMON_HOLD_S) and DAEMON_HOLD_S >= 12 * 3600
+    assert ActiveAlerts(resend_s=60.0).hold_s == 240.0  # default: Prometheus's 4 x resend
+    with pytest.raises(ValueError, match="hold_s"):
+        ActiveAlerts(resend_s=60.0, hold_s=90.0)

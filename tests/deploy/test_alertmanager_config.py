@@ -53,8 +53,11 @@ def test_routes(labels: list[str], receiver: str) -> None:
 
 def test_grouping_and_inhibition_settings() -> None:
     doc = yaml.safe_load(CONFIG.read_text())
-    assert doc["route"]["group_by"] == ["alertname", "run"]
-    (rule,) = doc["inhibit_rules"]
+    assert doc["route"]["group_by"] == ["run"]  # one group per run: incident, verdict, crash
+    rule, fallback = doc["inhibit_rules"]
+    # The daemon's non-finite alert mutes the rules' fallback alerts of the same run.
+    assert fallback["source_matchers"][0] == 'alertname="SentineldNonfinite"'
+    assert fallback["equal"] == ["run"]
     assert 'severity="critical"' in rule["source_matchers"]
     assert rule["target_matchers"] == ['severity="warning"']
     assert rule["equal"] == ["run"]
@@ -115,6 +118,9 @@ def alertmanager(
     for route in [doc["route"], *doc["route"]["routes"]]:
         route["group_wait"] = "1s"
         route["group_interval"] = "1s"
+        for child in route.get("routes", []):
+            child["group_wait"] = "1s"
+            child["group_interval"] = "1s"
     config = tmp_path / "alertmanager.yml"
     config.write_text(yaml.safe_dump(doc, sort_keys=False))
     server = start_alertmanager(config)
@@ -164,7 +170,7 @@ def test_shipped_routing_inhibition_and_templates(
     assert {t: got[t]["channel"] for t in expected} == expected
     text = got["[FIRING:1] SentineldNonfiniteLoss run r1"]["text"]
     assert "*critical* run r1: loss is nan at step 48112" in text
-    assert "host gpu-node-3, ranks 0,3, step 48112" in text
+    assert "gpu-node-3" not in text  # the description names host/ranks/step; not repeated
 
     # Critical alerts also go by email, with the same title as subject.
     mail = wait_for(lambda: [m for m in mailbox.messages
@@ -179,3 +185,35 @@ def test_shipped_routing_inhibition_and_templates(
     assert warning["status"]["inhibitedBy"]
     time.sleep(1.5)  # a group_interval more: still nothing for it
     assert not [t for t in titles() if "SentineldLossDiverging run r1" in t]
+
+
+def test_readme_creates_the_secret_files_as_the_config_says(tmp_path: Path) -> None:
+    """Run the README's secret-file commands (paths moved under tmp_path): 0640, root:prometheus,
+    the exact secret, as alertmanager.yml's header says (issue 16: they were 0644)."""
+    import grp
+    import os
+    import re
+    import stat
+
+    try:
+        group = grp.getgrnam("prometheus")
+    except KeyError:
+        pytest.skip("no prometheus group (Debian's prometheus package creates it)")
+    if os.geteuid() != 0:
+        pytest.skip("install -o root needs root")
+    readme = (DEPLOY / "README.md").read_text()
+    section = readme[readme.index("### Alertmanager"):]
+    block = re.search(r"```\n(.*?)```", section, re.S).group(1)
+    cmds = [c for c in block.splitlines() if "secrets" in c]
+    assert len(cmds) == 3, cmds
+    script = "\n".join(cmds).replace("/etc/alertmanager", str(tmp_path))
+    env = {**os.environ, "SLACK_WEBHOOK_URL": "https://hooks.example/T0/B0/x", "SMTP_PASSWORD": "p@ss"}
+    subprocess.run(["bash", "-euc", script], check=True, env=env, timeout=30)
+    header = CONFIG.read_text().split("global:")[0]
+    assert "mode 0640, owner root, group prometheus" in header
+    for name, value in (("slack_webhook_url", "https://hooks.example/T0/B0/x"), ("smtp_password", "p@ss")):
+        st = (tmp_path / "secrets" / name).stat()
+        assert stat.S_IMODE(st.st_mode) == 0o640 and st.st_uid == 0 and st.st_gid == group.gr_gid, name
+        assert (tmp_path / "secrets" / name).read_text() == value  # no trailing newline
+    d = (tmp_path / "secrets").stat()
+    assert stat.S_IMODE(d.st_mode) == 0o750 and d.st_gid == group.gr_gid

@@ -705,9 +705,6 @@ class Daemon:
             record = self._replay_record(rw, cap)
             if record.exists() or rw.meta is None:
                 continue
-            if rw.meta.recipe is None:
-                self._finish_replay(rw, cap, _no_recipe_outcome(rw.run_id), record)
-                continue
             log.info("run %s: replaying %s", rw.run_id, cap.name)
             try:
                 outcome = run_replay_subprocess(rw.meta, rw.run_dir, cap, timeout_s=self.cfg.replay_timeout_s,
@@ -721,6 +718,7 @@ class Daemon:
             self._finish_replay(rw, cap, outcome, record)
 
     def _finish_replay(self, rw: RunWatch, cap: Path, outcome: ReplayOutcome, record: Path) -> None:
+        outcome = _no_recipe_outcome(rw, outcome)
         self.replays_run += 1
         if self._metrics:
             self._metrics["replays"].labels(outcome.result).inc()
@@ -808,10 +806,16 @@ class Daemon:
         os.replace(tmp, path)
 
 
-def _no_recipe_outcome(run: str) -> ReplayOutcome:
+def _no_recipe_outcome(rw: RunWatch, outcome: ReplayOutcome) -> ReplayOutcome:
+    """A replay that failed only because the run gave no recipe is ``no_recipe``: not a failure
+    to page about (its incident's alert says so); a damaged capture still fails as such."""
     from .am_incident import NO_RECIPE, no_recipe_reason  # noqa: PLC0415
 
-    return ReplayOutcome(NO_RECIPE, None, no_recipe_reason(run), 0.0, None)
+    if (outcome.result == "failed" and rw.meta is not None and rw.meta.recipe is None
+            and "recipe" in outcome.reason.lower()):
+        return ReplayOutcome(NO_RECIPE, None, no_recipe_reason(rw.run_id), outcome.elapsed_s,
+                             outcome.exit_code)
+    return outcome
 
 
 def _all_signatures() -> list[tuple[str, str]]:

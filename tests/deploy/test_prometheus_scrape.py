@@ -114,10 +114,8 @@ def scraped_run(
         run.healthy_end_s = time.time()
         train(NAN_STEPS, poison=True)
         # Keep the exporter up (serving the NaN) until the rules have fired.
-        wait_for(lambda: run.query('ALERTS{alertstate="firing", alertname="SentineldNonFiniteSteps"}'),
-                 20, "SentineldNonFiniteSteps to fire")
         wait_for(lambda: run.query('ALERTS{alertstate="firing", alertname="SentineldLossNonFinite"}'),
-                 10, "SentineldLossNonFinite to fire")
+                 20, "SentineldLossNonFinite to fire")
         yield run
     finally:
         watch.close()
@@ -203,8 +201,10 @@ def test_no_alert_fires_for_the_healthy_run(scraped_run: ScrapedRun) -> None:
 def test_nan_loss_fires_the_shipped_rules(scraped_run: ScrapedRun) -> None:
     firing = scraped_run.query('ALERTS{alertstate="firing"}')
     by_name = {a["metric"]["alertname"]: a["metric"] for a in firing}
-    assert {"SentineldLossNonFinite", "SentineldNonFiniteSteps"} <= set(by_name)
-    for name in ("SentineldLossNonFinite", "SentineldNonFiniteSteps"):
+    # No daemon watches this run, so the fallback rules page; one alert for the incident: the
+    # loss rule, not also the counter rule (issue 16).
+    assert "SentineldLossNonFinite" in by_name and "SentineldNonFiniteSteps" not in by_name
+    for name in ("SentineldLossNonFinite",):
         labels = by_name[name]
         assert labels["run"] == "r1" and labels["rank"] == "0" and labels["severity"] == "critical"
     (loss,) = scraped_run.query('sentineld_train_loss{run="r1"}')

@@ -181,6 +181,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, start_prometheus: Callabl
             for x in s.query("last_over_time(sentineld_nonfinite_steps_total[5m])")}
         # The run stays non-finite after its processes exit: watch for a while.
         wait_for(lambda: [p for p in s.posts("r2") if "SentineldReplay" in p["title"]], 90, "the verdict")
+        # All three captures replayed (two localized, one without a recipe), then 15 s more.
+        wait_for(lambda: daemon.status().get("replays_run", 0) >= 3, 120, "the three replays")
         time.sleep(15)
         s.facts["before_stop_s"] = time.time()
         s.facts["replays_run"] = daemon.status()["replays_run"]
@@ -359,7 +361,7 @@ def test_module_variable_offers_every_module_kind(scenario: Scenario) -> None:
 @pytest.mark.parametrize("step_s", [2, 5, 15])
 def test_nonfinite_bars_add_up_to_the_real_count(scenario: Scenario, step_s: int) -> None:
     expr = _fill(_panel_expr("Non-finite steps"), {"__interval": f"{step_s}s", "__rate_interval": "1m"})
-    params = urllib.parse.urlencode({"query": expr, "start": scenario.t0, "end": scenario.exited_s + 10,
+    params = urllib.parse.urlencode({"query": expr, "start": scenario.t0, "end": scenario.exited_s + 2 * step_s + 5,
                                      "step": step_s})
     series = http_json(f"{scenario.prom.url}/api/v1/query_range?{params}")["data"]["result"]
     bars: dict[tuple[str, str], float] = {}

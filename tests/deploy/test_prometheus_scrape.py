@@ -179,8 +179,10 @@ def _empty_panels(run: ScrapedRun, titles: set[str] | None = None) -> list[str]:
         if titles is None and panel["title"] in NO_DATA_HERE | PER_LAYER:
             continue
         for t in panel["targets"]:
-            if "skipped" in t["expr"]:
-                continue  # no GradScaler in this run
+            if "skipped" in t["expr"] or "offset $__interval" in t["expr"]:
+                # No GradScaler in this run; a bar needs the window before it (the run is 4 s
+                # old): test_oncall checks those bars against the real counts.
+                continue
             if not run.query(substitute(t["expr"]), run.healthy_end_s):
                 empty.append(f"{panel['title']} {t['refId']}")
     return empty

@@ -7,7 +7,7 @@ the incident's notification group and the on-call sees them as an update of that
 new page. A replay that cannot run because the run gave no recipe is no news: the incident's own
 alert says so from the first notification (annotation ``replay``).
 
-Pure functions; the daemon posts what they build through :class:`sentineld.alertmanager.ActiveAlerts`.
+Pure functions; the daemon posts what they build through :class:`sentineld.daemon.alertmanager.ActiveAlerts`.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def verdict_alert(*, run: str, severity: str, title: str, body: str, step: int |
     Args:
         run: run id (the grouping label: lands in the incident's notification group).
         severity: the incident's severity (:func:`incident_severity`): same route, same group.
-        title, body: :func:`sentineld.messages.verdict_text` or ``replay_failed_text``.
+        title, body: :func:`sentineld.daemon.messages.verdict_text` or ``replay_failed_text``.
         step: the replayed step, None if unknown.
         rank: the rank whose capture was replayed, None if unknown.
         host: the daemon's host name.

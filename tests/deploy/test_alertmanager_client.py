@@ -1,4 +1,4 @@
-"""sentineld/alertmanager.py: pure parts as truth tables, transport against a real Alertmanager
+"""sentineld/daemon/alertmanager.py: pure parts as truth tables, transport against a real Alertmanager
 whose webhook receiver points at an HTTP server in the test."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from .helpers import HttpSink, Server, free_port, http_json, wait_for
-from sentineld.alertmanager import (
+from sentineld.daemon.alertmanager import (
     ActiveAlerts,
     AlertmanagerError,
     alert_labels,
@@ -280,7 +280,7 @@ def test_post_alerts_rejected_by_real_alertmanager(alertmanager: Server) -> None
 def test_hold_s_sets_ends_at_and_is_checked() -> None:
     """The daemon holds its alerts for DAEMON_HOLD_S: a stopped daemon resolves nothing for hours
     (issue 16: they resolved 4 minutes after it stopped)."""
-    from sentineld.alertmanager import DAEMON_HOLD_S
+    from sentineld.daemon.alertmanager import DAEMON_HOLD_S
 
     now = [T0]
     active = ActiveAlerts(resend_s=60.0, clock=lambda: now[0], hold_s=DAEMON_HOLD_S)

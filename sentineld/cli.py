@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import click
 
-from .config import ConfigError, default_state_dir, load_config
+from sentineld.daemon.daemon_config import ConfigError, default_state_dir, load_config
 
 __all__ = ["main", "cli", "replay_main"]
 
@@ -84,8 +84,8 @@ def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, 
           verbose: bool) -> None:
     """Start the daemon (in the background unless --foreground)."""
     cfg = _load(config_path, runs_dir, state_dir, notify, alertmanager_url, metrics_port, no_replay)
-    from .daemon import AlreadyRunning, Daemon, daemon_pid  # noqa: PLC0415
-    from .delivery import valid_url  # noqa: PLC0415
+    from sentineld.daemon.service import AlreadyRunning, Daemon, daemon_pid  # noqa: PLC0415
+    from sentineld.daemon.delivery import valid_url  # noqa: PLC0415
 
     bad = [i for i, u in enumerate(cfg.notify) if not valid_url(u)]
     if bad:
@@ -141,7 +141,7 @@ def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, 
               help="Seconds to wait after SIGTERM before SIGKILL.")
 def stop(state_dir: str | None, grace_period: float) -> None:
     """Stop the daemon (SIGTERM, then SIGKILL after the grace period)."""
-    from .daemon import daemon_pid  # noqa: PLC0415
+    from sentineld.daemon.service import daemon_pid  # noqa: PLC0415
 
     sd = Path(state_dir) if state_dir else load_config().state_dir
     pid = daemon_pid(sd)
@@ -163,7 +163,7 @@ def stop(state_dir: str | None, grace_period: float) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 def status(state_dir: str | None, as_json: bool) -> None:
     """Show whether the daemon runs, what it watches, alerts sent and replays run."""
-    from .daemon import daemon_pid, read_status  # noqa: PLC0415
+    from sentineld.daemon.service import daemon_pid, read_status  # noqa: PLC0415
 
     sd = Path(state_dir) if state_dir else _safe_state_dir()
     pid = daemon_pid(sd) if sd.exists() else None
@@ -203,8 +203,8 @@ def _safe_state_dir() -> Path:
 @click.option("--json", "as_json", is_flag=True)
 def runs(runs_dir: str | None, as_json: bool) -> None:
     """List run directories with their last step, captures and state (read from disk)."""
-    from .rundir import RunDirError, list_captures, read_run_meta  # noqa: PLC0415
-    from .runwatch import RunWatch  # noqa: PLC0415
+    from sentineld.contracts.rundir import RunDirError, list_captures, read_run_meta  # noqa: PLC0415
+    from sentineld.daemon.runwatch import RunWatch  # noqa: PLC0415
 
     rd = Path(runs_dir) if runs_dir else load_config().runs_dir
     rows = []
@@ -247,8 +247,8 @@ def recover(run: str, runs_dir: str | None) -> None:
     leaves ``ring-rank<R>-<pid>/`` behind; the daemon recovers it on its own, this does it
     without a daemon. Rings of live processes are left alone.
     """
-    from .diskring import recover_run  # noqa: PLC0415
-    from .rundir import RunDirError  # noqa: PLC0415
+    from sentineld.daemon.ring_recovery import recover_run  # noqa: PLC0415
+    from sentineld.contracts.rundir import RunDirError  # noqa: PLC0415
 
     try:
         run_dir = _run_dir(run, runs_dir)
@@ -269,7 +269,7 @@ def _run_dir(run: str, runs_dir: str | None) -> Path:
     Raises:
         RunDirError: neither exists.
     """
-    from .rundir import resolve_run  # noqa: PLC0415
+    from sentineld.contracts.rundir import resolve_run  # noqa: PLC0415
 
     if runs_dir is None:
         try:
@@ -299,13 +299,13 @@ def replay(run: str, step: int | None, as_json: bool, recipe: str | None, captur
 def _replay(run: str, step: int | None, as_json: bool, recipe: str | None, capture: str | None,
             trust: bool, runs_dir: str | None, rank: int | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="sentineld: %(message)s", stream=sys.stderr)
-    from .capture import CaptureError  # noqa: PLC0415
-    from .rundir import RunDirError  # noqa: PLC0415
+    from sentineld.contracts.capture import CaptureError  # noqa: PLC0415
+    from sentineld.contracts.rundir import RunDirError  # noqa: PLC0415
 
     try:
         run_dir = _run_dir(run, runs_dir)
         if capture is not None:
-            from .capture import open_capture  # noqa: PLC0415
+            from sentineld.contracts.capture import open_capture  # noqa: PLC0415
 
             with open_capture(capture):  # a damaged capture fails here, before torch is imported
                 pass
@@ -361,7 +361,7 @@ def replay_main() -> None:
               help="Seconds to wait for the alert and the replay verdict.")
 def demo(fault: str, runs_dir: str | None, notify: tuple[str, ...], epochs: int, timeout_s: float) -> None:
     """Train on scikit-learn's handwritten digits with a planted fault, watched by the daemon."""
-    from .demo import run_demo  # noqa: PLC0415
+    from sentineld.demo import run_demo  # noqa: PLC0415
 
     sys.exit(run_demo(fault, runs_dir, notify, epochs, timeout_s))
 

@@ -19,7 +19,7 @@ One module per detector family: ``numerics`` (nonfinite, loss_scale_collapse), `
 from .activations import (DeadReluConfig, SaturationConfig, detect_dead_relu,
                           detect_saturated_activation)
 from .base import SIGNATURES, Severity, Verdict
-from .config import SignatureConfig
+from .signature_config import SignatureConfig
 from .evaluate import evaluate
 from .gradients import (ExplodingConfig, MissingGradientsConfig, VanishingConfig, ZeroGradConfig,
                         detect_exploding_gradients, detect_forgotten_zero_grad,

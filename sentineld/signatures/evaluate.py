@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence
 
-from sentineld.records import StepRecord
+from sentineld.contracts.records import StepRecord
 
 from .activations import detect_dead_relu, detect_saturated_activation
 from .base import Verdict
-from .config import SignatureConfig
+from .signature_config import SignatureConfig
 from .gradients import (detect_exploding_gradients, detect_forgotten_zero_grad,
                         detect_missing_gradients, detect_vanishing_gradients)
 from .liveness import detect_stalled

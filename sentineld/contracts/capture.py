@@ -33,7 +33,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from sentineld.treecodec import TreeCodecError, decode, encode, map_tensors
+from sentineld.contracts.treecodec import TreeCodecError, decode, encode, map_tensors
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -61,7 +61,7 @@ class CaptureError(Exception):
 
 @dataclass(frozen=True)
 class CaptureStep:
-    """One recorded step: its index, batch (tree of CPU tensors) and RNG state (see sentineld.rng)."""
+    """One recorded step: its index, batch (tree of CPU tensors) and RNG state (see sentineld.contracts.rng)."""
 
     step: int
     batch: Any
@@ -82,7 +82,7 @@ def _torch():
 _NUMPY_UNSUPPORTED = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 
 
-def _tensor_to_numpy(t: Any) -> tuple[np.ndarray, str]:
+def tensor_to_numpy(t: Any) -> tuple[np.ndarray, str]:
     torch = _torch()
     t = t.detach()
     if t.device.type != "cpu":
@@ -110,7 +110,7 @@ def _write_tree(group: Any, tree: Any) -> None:
     tensors: list[Any] = []
     group.create_dataset("tree", data=json.dumps(encode(tree, tensors)))
     for i, t in enumerate(tensors):
-        arr, dtype = _tensor_to_numpy(t)
+        arr, dtype = tensor_to_numpy(t)
         ds = group.create_dataset(str(i), data=arr)
         ds.attrs["torch_dtype"] = dtype
 
@@ -119,7 +119,7 @@ def write_step(group: Any, st: CaptureStep) -> None:
     """Write one step's batch and RNG state into an HDF5 group (layout of ``/steps/<step>``)."""
     _write_tree(group.create_group("batch"), st.batch)
     if st.rng is not None:
-        from sentineld.rng import rng_to_json  # noqa: PLC0415
+        from sentineld.contracts.rng import rng_to_json  # noqa: PLC0415
 
         meta, arrays = rng_to_json(dict(st.rng))
         group.create_dataset("rng_meta", data=json.dumps(meta))
@@ -221,7 +221,7 @@ def write_capture(
             gg = f.create_group("grads")
             gg.create_dataset("names", data=json.dumps(list(grads)))
             for i, t in enumerate(grads.values()):
-                arr, dtype = _tensor_to_numpy(t)
+                arr, dtype = tensor_to_numpy(t)
                 gg.create_dataset(str(i), data=arr).attrs["torch_dtype"] = dtype
 
     estimate = tree_bytes(dict(snapshot)) + sum(tree_bytes(st.batch) for st in steps) + tree_bytes(grads or {})
@@ -382,7 +382,7 @@ class Capture:
             batch = _read_tree(g["batch"])
             rng = None
             if "rng_meta" in g:
-                from sentineld.rng import rng_from_json  # noqa: PLC0415
+                from sentineld.contracts.rng import rng_from_json  # noqa: PLC0415
 
                 meta = json.loads(_read_str(g["rng_meta"]))
                 rng = rng_from_json(meta, {k: v[()] for k, v in g["rng"].items()})

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .records import StepRecord, record_from_json
-from .rundir import RunDirError, RunMeta, list_captures, read_run_meta
-from .stream import CHUNK_BYTES, StreamTail, read_lines
+from sentineld.contracts.records import StepRecord, record_from_json
+from sentineld.contracts.rundir import RunDirError, RunMeta, list_captures, read_run_meta
+from sentineld.contracts.stream import CHUNK_BYTES, StreamTail, read_lines
 
 __all__ = ["RunWatch", "Active", "merge_verdicts", "transitions"]
 
@@ -101,7 +101,7 @@ def _parse_record(obj: dict[str, Any]) -> StepRecord | None:
 class RunWatch:
     """State of one watched run. ``error`` holds why its files cannot be read (it is retried).
 
-    Streams are read a bounded chunk at a time (:data:`sentineld.stream.CHUNK_BYTES`) and handed
+    Streams are read a bounded chunk at a time (:data:`sentineld.contracts.stream.CHUNK_BYTES`) and handed
     out at most ``max_records`` step records per rank per :meth:`poll`, so a daemon catching up
     on a long stream holds a bounded slice of it and evaluates every part of it (a window of
     ``window`` records, evaluated every ``window // 2`` records, sees every record).

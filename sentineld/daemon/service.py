@@ -8,10 +8,10 @@ Threads, each waiting on the stop event with a timeout (never a bare sleep):
   for new captures and recoveries for on-disk rings of dead processes, and writes
   ``status.json``;
 - delivery: sends due outbox notifications (retry with backoff; crash protocol in
-  :mod:`sentineld.delivery`);
+  :mod:`sentineld.daemon.delivery`);
 - replay: runs one replay subprocess at a time (timeout, memory limit) and enqueues its verdict;
 - recover: turns the on-disk ring of a training process that died without closing (SIGKILL,
-  OOM killer) into a ``crash`` capture (:mod:`sentineld.diskring`), which is then replayed.
+  OOM killer) into a ``crash`` capture (:mod:`sentineld.daemon.ring_recovery`), which is then replayed.
 
 Once per incident comes from the outbox's deterministic ids plus saved per-run progress
 (stream offsets, the window's start, active signatures, captures seen) and per-capture replay
@@ -41,14 +41,14 @@ from typing import Any, Callable
 
 from filelock import FileLock, Timeout
 
-from .config import DaemonConfig
-from .delivery import LOG_TARGET, Destination, SecretFilter, deliver_due, destinations, url_secrets
-from .diskring import recover_ring, ring_state
-from .messages import alert_text, recovery_text, replay_failed_text, verdict_text
-from .outbox import Notification, Outbox, notification_id
-from .replayer import ReplayOutcome, run_replay_subprocess
-from .rundir import make_private_dir, parse_capture_name
-from .runwatch import Active, RunWatch, load_progress, merge_verdicts, save_progress, transitions
+from sentineld.daemon.daemon_config import DaemonConfig
+from sentineld.daemon.delivery import LOG_TARGET, Destination, SecretFilter, deliver_due, destinations, url_secrets
+from sentineld.daemon.ring_recovery import recover_ring, ring_state
+from sentineld.daemon.messages import alert_text, recovery_text, replay_failed_text, verdict_text
+from sentineld.daemon.outbox import Notification, Outbox, notification_id
+from sentineld.daemon.replay_runner import ReplayOutcome, run_replay_subprocess
+from sentineld.contracts.rundir import make_private_dir, parse_capture_name
+from sentineld.daemon.runwatch import Active, RunWatch, load_progress, merge_verdicts, save_progress, transitions
 
 __all__ = ["Daemon", "AlreadyRunning", "read_status", "daemon_pid"]
 
@@ -176,7 +176,7 @@ class Daemon:
 
     # ------------------------------------------------------------------ setup
     def _signature_config(self) -> Any:
-        from .signatures import SignatureConfig  # noqa: PLC0415
+        from sentineld.signatures import SignatureConfig  # noqa: PLC0415
 
         return SignatureConfig.from_mapping(dict(self.cfg.signatures))
 
@@ -286,7 +286,7 @@ class Daemon:
             stack.callback(obs.join, 5)
             stack.callback(obs.stop)
             if self.cfg.alertmanager_url:
-                from .alertmanager import ActiveAlerts  # noqa: PLC0415
+                from sentineld.daemon.alertmanager import ActiveAlerts  # noqa: PLC0415
 
                 self._am = ActiveAlerts(resend_s=60.0)
             urls = ", ".join(d.shown for d in self.dests) or "none (notifications log only)"
@@ -460,7 +460,7 @@ class Daemon:
     def _evaluate(self, rw: RunWatch, live: bool = True) -> None:
         """Evaluate the signatures over ``rw``'s windows; ``live`` is False while catching up on
         old records (then ``stalled`` is not judged against the current time)."""
-        from .signatures import evaluate  # noqa: PLC0415
+        from sentineld.signatures import evaluate  # noqa: PLC0415
 
         now = self.clock()
         self._last_eval[str(rw.run_dir)] = now
@@ -571,7 +571,7 @@ class Daemon:
     def _crash_alert(self, rw: RunWatch, cap: Path, rank: int, step: int) -> None:
         """A training process died (exception, SIGTERM, SIGKILL with the disk ring): say so, with
         the exception, and how to replay the last steps it recorded."""
-        from .capture import CaptureError, open_capture  # noqa: PLC0415
+        from sentineld.contracts.capture import CaptureError, open_capture  # noqa: PLC0415
 
         try:
             with open_capture(cap) as c:
@@ -596,7 +596,7 @@ class Daemon:
 
     def _am_resolve(self, rw: RunWatch, a: Active) -> None:
         if self._am is not None:
-            from .alertmanager import alert_labels  # noqa: PLC0415
+            from sentineld.daemon.alertmanager import alert_labels  # noqa: PLC0415
 
             with self._am_lock:
                 self._am.resolve(alert_labels(a.signature, rw.run_id, a.severity, a.module))
@@ -604,7 +604,7 @@ class Daemon:
     def _am_fire(self, rw: RunWatch, a: Active, title: str, body: str) -> None:
         if self._am is None:
             return
-        from .alertmanager import to_am_alert  # noqa: PLC0415
+        from sentineld.daemon.alertmanager import to_am_alert  # noqa: PLC0415
 
         with self._am_lock:
             self._am.fire(to_am_alert(signature=a.signature, run=rw.run_id, severity=a.severity,
@@ -628,7 +628,7 @@ class Daemon:
                     self._metrics["sent"].labels("any").inc(sent)
                 self._metrics["pending"].set(self.outbox.pending_count())
             if self._am is not None and self.cfg.alertmanager_url:
-                from .alertmanager import flush  # noqa: PLC0415
+                from sentineld.daemon.alertmanager import flush  # noqa: PLC0415
 
                 try:
                     with self._am_lock:

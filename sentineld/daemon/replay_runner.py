@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .rundir import RunMeta
+from sentineld.contracts.rundir import RunMeta
 
 __all__ = ["ReplayOutcome", "run_replay_subprocess", "SCRUBBED_ENV"]
 

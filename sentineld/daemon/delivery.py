@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
-from .outbox import DELIVERED, DROPPED, PENDING, SENDING, Notification, Outbox
+from sentineld.daemon.outbox import DELIVERED, DROPPED, PENDING, SENDING, Notification, Outbox
 
 __all__ = ["redact_url", "valid_url", "deliver_due", "LOG_TARGET", "append_log", "Destination",
            "destinations", "url_secrets", "SecretFilter", "DeliveryResult", "log_has"]

@@ -43,6 +43,7 @@ import torch
 
 from sentineld.contracts.capture import CaptureStep, capture_name, write_capture
 from .diskring import DiskRingWriter
+from sentineld.contracts.nonfinite import is_nonfinite
 from sentineld.contracts.records import StepRecord, record_to_json
 from sentineld.contracts.rng import capture_rng
 from sentineld.contracts.rundir import (RunMeta, make_private_dir, stream_path, valid_run_id,
@@ -356,9 +357,8 @@ class Watch:
         lt.record = record
         lt.steps_total += 1
         lt.skipped_total += int(record.optimizer_skipped)
-        # GradScaler's skipped steps carry inf gradients by design; a non-finite loss never is.
-        bad = (not math.isfinite(record.loss) or (record.nonfinite and not record.optimizer_skipped)
-               or (record.lr is not None and not math.isfinite(record.lr)))
+        # The daemon's nonfinite signature applies the same rule to the same record.
+        bad = is_nonfinite(record)
         lt.nonfinite_total += int(bad)
         self.stream.put(obj, urgent=bad)
         if bad:

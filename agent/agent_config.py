@@ -7,17 +7,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["AgentConfig", "default_runs_dir"]
-
-
-def default_runs_dir() -> Path:
-    """``$SENTINELD_RUNS_DIR``, else ``<user state dir>/sentineld/runs`` (platformdirs)."""
-    env = os.environ.get("SENTINELD_RUNS_DIR")
-    if env:
-        return Path(env)
-    import platformdirs  # noqa: PLC0415
-
-    return Path(platformdirs.user_state_dir("sentineld")) / "runs"
+__all__ = ["AgentConfig"]
 
 
 @dataclass(frozen=True)

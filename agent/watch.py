@@ -46,11 +46,11 @@ from .diskring import DiskRingWriter
 from sentineld.contracts.nonfinite import is_nonfinite
 from sentineld.contracts.records import StepRecord, record_to_json
 from sentineld.contracts.rng import capture_rng
-from sentineld.contracts.rundir import (RunMeta, make_private_dir, stream_path, valid_run_id,
-                              write_run_meta)
+from sentineld.contracts.rundir import (RunMeta, default_runs_dir, make_private_dir, stream_path,
+                                        valid_run_id, write_run_meta)
 from sentineld.contracts.stream import StreamWriter
 
-from .agent_config import AgentConfig, default_runs_dir
+from .agent_config import AgentConfig
 from .exporter import Latest, start_exporter
 from .exits import EXITS
 from .ring import Ring, RingEntry, Snapshot, to_host, tree_nbytes

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from sentineld.contracts.errors import BadInput
 from sentineld.contracts.capture import CaptureError, first_rank_capture, open_capture
 from sentineld.contracts.recipe import Recipe
 from sentineld.contracts.rundir import RunDirError, RunMeta, list_captures, read_run_meta
@@ -35,7 +36,7 @@ __all__ = ["ReplayError", "NotReproducedError", "replay_run", "find_capture"]
 log = logging.getLogger("sentineld.replay")
 
 
-class ReplayError(Exception):
+class ReplayError(BadInput):
     """Bad input for a replay (no capture for the step, no recipe, a model that cannot be built)."""
 
 

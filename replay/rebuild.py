@@ -18,6 +18,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from sentineld.contracts.errors import BadInput
 import numpy as np
 import torch
 
@@ -31,7 +32,7 @@ __all__ = ["RebuildError", "Rebuilt", "load_snapshot", "run_step", "rebuild", "t
            "same_loss", "state_nonfinite"]
 
 
-class RebuildError(Exception):
+class RebuildError(BadInput):
     """The recipe's model or optimizer does not match the captured state."""
 
 

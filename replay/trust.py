@@ -18,16 +18,17 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from sentineld.contracts.errors import BadInput
 __all__ = ["UntrustedError", "RecipeError", "check_owned", "load_recipe_factory"]
 
 log = logging.getLogger("sentineld.replay")
 
 
-class UntrustedError(Exception):
+class UntrustedError(BadInput):
     """A file that would be executed (or that names code) is owned or writable by another user."""
 
 
-class RecipeError(Exception):
+class RecipeError(BadInput):
     """The recipe cannot be imported or does not build a Recipe."""
 
 

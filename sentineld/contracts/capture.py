@@ -33,6 +33,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from sentineld.contracts.errors import BadInput
 from sentineld.contracts.treecodec import TreeCodecError, decode, encode, map_tensors
 
 __all__ = [
@@ -52,7 +53,7 @@ __all__ = [
 SCHEMA_VERSION = 1
 
 
-class CaptureError(Exception):
+class CaptureError(BadInput):
     """A capture cannot be read: truncated, not HDF5, unknown schema, or missing a step.
 
     The message says what is wrong and what to do; the CLI maps it to exit code 2.

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sentineld.contracts.errors import BadInput
 __all__ = [
     "RUN_SCHEMA_VERSION",
     "RunDirError",
@@ -38,7 +39,7 @@ RUN_SCHEMA_VERSION = 1
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-class RunDirError(Exception):
+class RunDirError(BadInput):
     """A run directory or its ``run.json`` is missing or malformed (the message says which and why)."""
 
 
@@ -173,6 +174,17 @@ def resolve_run(run: str, runs_dir: str | os.PathLike[str] | None) -> Path:
     where = f" under {runs_dir}" if runs_dir else ""
     raise RunDirError(f"no run {run!r}{where}: pass a run directory or a run id "
                       "(list them with `sentineld runs`)")
+
+
+def default_runs_dir() -> Path:
+    """Parent of run directories by default, for the agent, the daemon and the replay alike:
+    ``$SENTINELD_RUNS_DIR``, else ``<user state dir>/sentineld/runs`` (platformdirs)."""
+    env = os.environ.get("SENTINELD_RUNS_DIR")
+    if env:
+        return Path(env)
+    import platformdirs  # noqa: PLC0415
+
+    return Path(platformdirs.user_state_dir("sentineld")) / "runs"
 
 
 def stream_path(run_dir: Path, rank: int) -> Path:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from sentineld.contracts.errors import BadInput
+from sentineld.contracts.rundir import default_runs_dir
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -30,7 +32,7 @@ except ModuleNotFoundError:  # Python 3.10
 __all__ = ["ConfigError", "DaemonConfig", "load_config", "default_state_dir"]
 
 
-class ConfigError(Exception):
+class ConfigError(BadInput):
     """The config file or a setting is invalid (the message names the file and key)."""
 
 
@@ -42,15 +44,6 @@ def default_state_dir() -> Path:
     import platformdirs  # noqa: PLC0415
 
     return Path(platformdirs.user_state_dir("sentineld"))
-
-
-def _default_runs_dir() -> Path:
-    env = os.environ.get("SENTINELD_RUNS_DIR")
-    if env:
-        return Path(env)
-    import platformdirs  # noqa: PLC0415
-
-    return Path(platformdirs.user_state_dir("sentineld")) / "runs"
 
 
 @dataclass(frozen=True)
@@ -78,7 +71,7 @@ class DaemonConfig:
         signatures: overrides for :class:`sentineld.signatures.SignatureConfig`.
     """
 
-    runs_dir: Path = field(default_factory=_default_runs_dir)
+    runs_dir: Path = field(default_factory=default_runs_dir)
     state_dir: Path = field(default_factory=default_state_dir)
     notify: tuple[str, ...] = ()
     alertmanager_url: str | None = None

@@ -84,7 +84,7 @@ def _memory_hint(text: str) -> bool:
 
 def run_replay_subprocess(meta: RunMeta, run_dir: Path, capture: Path, *, timeout_s: float,
                           memory_bytes: int, scratch_dir: Path | None = None) -> ReplayOutcome:
-    """Run ``python -m sentineld replay RUN --capture CAP --json`` and classify the outcome.
+    """Run ``python -m sentineld.replay RUN --capture CAP --json`` and classify the outcome.
 
     The interpreter is the run's own (``meta.python``) when it exists on this host, else this
     daemon's; the working directory is the run's (where its recipe module lives).
@@ -97,9 +97,9 @@ def run_replay_subprocess(meta: RunMeta, run_dir: Path, capture: Path, *, timeou
     """
     python = meta.python if meta.python and Path(meta.python).exists() else sys.executable
     cwd = meta.cwd if meta.cwd and Path(meta.cwd).is_dir() else str(run_dir)
-    # `sentineld replay` (same options and exit codes as `python -m sentineld.replay`) imports
+    # `python -m sentineld.replay` (same options and exit codes as `sentineld replay`) imports
     # torch only once the capture opened: a damaged capture is reported in a fraction of a second.
-    cmd = [python, "-m", "sentineld", "replay", str(run_dir), "--capture", str(capture), "--json"]
+    cmd = [python, "-m", "sentineld.replay", str(run_dir), "--capture", str(capture), "--json"]
     env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
     env["PYTHONUNBUFFERED"] = "1"
     t0 = time.monotonic()

@@ -1,7 +1,7 @@
 """The daemon's view of one run directory: streams tailed, windows of records, captures seen.
 
 :meth:`RunWatch.poll` does the I/O (read new stream lines, list captures); what to alert on is
-decided by pure functions (:func:`merge_verdicts`, :func:`transitions`) over its state. Progress
+decided by :mod:`sentineld.daemon.policy` over its state. Progress
 (stream offsets, active signatures, captures seen) is saved to the daemon's state dir so a
 restarted daemon neither repeats nor misses anything.
 """
@@ -21,58 +21,10 @@ from sentineld.contracts.records import StepRecord, record_from_json
 from sentineld.contracts.rundir import RunDirError, RunMeta, list_captures, read_run_meta
 from sentineld.contracts.stream import CHUNK_BYTES, StreamTail, read_lines
 
-__all__ = ["RunWatch", "Active", "merge_verdicts", "transitions"]
+__all__ = ["RunWatch", "save_progress", "load_progress"]
 
 log = logging.getLogger("sentineld.daemon")
 _STREAM = re.compile(r"^stream-rank(\d+)\.jsonl$")
-
-
-@dataclass
-class Active:
-    """A firing signature of a run: first step, ranks that showed it, and the verdict's fields."""
-
-    signature: str
-    module: str | None
-    step: int
-    ranks: list[int]
-    severity: str
-    message: str
-    numbers: dict[str, float]
-    fix: str
-    notified: bool = False
-
-    @property
-    def key(self) -> str:
-        return f"{self.signature}@{self.module}" if self.module else self.signature
-
-
-def merge_verdicts(per_rank: dict[int, Sequence[Any]]) -> dict[str, Active]:
-    """One :class:`Active` per (signature, module) across ranks: earliest step, all ranks named.
-
-    The ranks of a data-parallel job fail together (gradients are all-reduced), so a run gets one
-    alert naming every rank, and the rank with the earliest step first.
-    """
-    out: dict[str, Active] = {}
-    for rank in sorted(per_rank):
-        for v in per_rank[rank]:
-            a = Active(v.signature, v.module, int(v.step), [rank], v.severity, v.message,
-                       dict(v.numbers), v.fix)
-            cur = out.get(a.key)
-            if cur is None:
-                out[a.key] = a
-            else:
-                if rank not in cur.ranks:
-                    cur.ranks.append(rank)
-                if a.step < cur.step:
-                    a.ranks = cur.ranks
-                    out[a.key] = a
-    return out
-
-
-def transitions(before: Iterable[str], now: dict[str, Active]) -> tuple[list[Active], list[str]]:
-    """``(newly firing, cleared keys)`` between the previous and the current active sets."""
-    prev = set(before)
-    return [a for k, a in now.items() if k not in prev], sorted(prev - set(now))
 
 
 def _as_int(v: Any, default: int = 0) -> int:

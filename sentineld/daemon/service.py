@@ -35,7 +35,6 @@ import socket
 import threading
 import time
 from contextlib import ExitStack
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,7 +47,8 @@ from sentineld.daemon.messages import alert_text, recovery_text, replay_failed_t
 from sentineld.daemon.outbox import Notification, Outbox, notification_id
 from sentineld.daemon.replay_runner import ReplayOutcome, run_replay_subprocess
 from sentineld.contracts.rundir import make_private_dir, parse_capture_name
-from sentineld.daemon.runwatch import Active, RunWatch, load_progress, merge_verdicts, save_progress, transitions
+from sentineld.daemon.policy import Active, Decision, active_from_dict, decide, due_holds
+from sentineld.daemon.runwatch import RunWatch, load_progress, save_progress
 
 __all__ = ["Daemon", "AlreadyRunning", "read_status", "daemon_pid"]
 
@@ -72,10 +72,6 @@ RECOVER_RETRY_S = 60.0
 #: Seconds a multi-rank run's new alert waits for the other ranks' streams (our measurement: DDP
 #: ranks on one host flush their NaN step within ~0.3 s of each other).
 RANK_GRACE_S = 2.0
-
-
-def _active(d: dict[str, Any]) -> Active:
-    return Active(**{k: v for k, v in d.items() if k in Active.__dataclass_fields__})
 
 
 def _destination_secret(state_dir: Path) -> bytes:
@@ -358,7 +354,7 @@ class Daemon:
                 if self._am is not None:
                     # Alertmanager forgets alerts that are not re-sent: restore what was firing.
                     for act in rw.active.values():
-                        a = _active(act)
+                        a = active_from_dict(act)
                         title, body = alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step,
                                                  a.message, a.numbers, a.fix, a.module)
                         self._am_fire(rw, a, title, body)
@@ -473,59 +469,51 @@ class Daemon:
                                       num_classes=rw.meta.num_classes if rw.meta else None)
         if not per_rank:
             return
-        current = merge_verdicts(per_rank)
-        if any(a.signature == "nonfinite" for a in current.values()):
-            # Once values are NaN/Inf every other detector reads garbage (a NaN layer is "dead"):
-            # the non-finite alert and its replay say all there is to say.
-            current = {k: a for k, a in current.items() if a.signature in ("nonfinite", "stalled")}
-        fired, cleared = transitions(rw.active.keys(), current)
-        for key, a in current.items():
-            if key in rw.active:  # ranks that show a firing signature later join it
-                ranks = rw.active[key]["ranks"]
-                ranks.extend(r for r in a.ranks if r not in ranks)
-        multi_rank = rw.meta is not None and rw.meta.world_size > 1
-        for a in fired:
-            last_s = rw.last_alert_s.get(a.key)
-            if last_s is not None and now - last_s < self.cfg.alert_interval_s:
-                # Rate limit: tracked (status, gauge, Alertmanager) but not notified, nor its recovery.
-                rw.active[a.key] = {**asdict(a), "notified": True, "suppressed": True}
-                self.alerts_suppressed += 1
-                self._am_fire(rw, a, *alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step,
-                                                 a.message, a.numbers, a.fix, a.module))
-                log.info("run %s: %s fired again at step %d within %g s of its last alert: not "
-                         "notified (alert_interval_s)", rw.run_id, a.key, a.step, self.cfg.alert_interval_s)
-                continue
-            rw.active[a.key] = asdict(a)
-            if multi_rank:
-                # Ranks of one job fail within moments of each other: wait briefly so the one
-                # alert names every rank that showed it.
-                self._held[(str(rw.run_dir), a.key)] = self.clock() + RANK_GRACE_S
-            else:
-                self._alert(rw, a)
+        d = decide(rw.active, per_rank, now_s=now, last_alert_s=rw.last_alert_s,
+                   held=[k for (run, k) in self._held if run == str(rw.run_dir)],
+                   multi_rank=rw.meta is not None and rw.meta.world_size > 1,
+                   alert_interval_s=self.cfg.alert_interval_s, rank_grace_s=RANK_GRACE_S)
+        rw.active = d.active
+        self._act(rw, d)
+
+    def _act(self, rw: RunWatch, d: Decision) -> None:
+        """Carry out a policy :class:`Decision` for ``rw``."""
+        run_key = str(rw.run_dir)
+        for a in d.suppressed:
+            self.alerts_suppressed += 1
+            self._am_fire(rw, a, *alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step,
+                                             a.message, a.numbers, a.fix, a.module))
+            log.info("run %s: %s fired again at step %d within %g s of its last alert: not "
+                     "notified (alert_interval_s)", rw.run_id, a.key, a.step, self.cfg.alert_interval_s)
+        for key, until in d.hold.items():
+            self._held[(run_key, key)] = until
+        for a in d.alert:
+            self._alert(rw, a)
+        for key in d.dropped_holds:
+            self._held.pop((run_key, key), None)
         last = max(rw.last_step.values(), default=0)
-        for key in cleared:
-            d = rw.active.pop(key)
-            a = _active(d)
-            held = self._held.pop((str(rw.run_dir), key), None) is not None
-            if d.get("suppressed"):
-                self._am_resolve(rw, a)
-            elif not held:
-                self._recovery(rw, a, last)  # a held alert that cleared was never sent
-        if fired or cleared:
+        for a in d.resolved_quietly:
+            self._am_resolve(rw, a)
+        for a in d.recovered:
+            self._recovery(rw, a, last)
+        if d.changed:
             self._save(rw)
             self._update_active_gauge(rw)
 
     def _release_held(self) -> None:
-        now = self.clock()
-        for (run_key, key), deadline in list(self._held.items()):
-            if now < deadline:
-                continue
+        due = due_holds(self._held, self.clock())
+        for run_key, key in due:
             del self._held[(run_key, key)]
+        for run_key in dict.fromkeys(run for run, _ in due):
             rw = self.runs.get(run_key)
-            if rw is not None and key in rw.active:
+            if rw is None:
+                continue
+            keys = [k for run, k in due if run == run_key and k in rw.active]
+            if keys:
                 self._process(rw.run_dir)  # read what the other ranks wrote meanwhile
+            for key in keys:
                 if key in rw.active:
-                    self._alert(rw, _active(rw.active[key]))
+                    self._alert(rw, active_from_dict(rw.active[key]))
 
     def _update_active_gauge(self, rw: RunWatch) -> None:
         g = self._metrics.get("active")

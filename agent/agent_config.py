@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any, Mapping
 
 __all__ = ["AgentConfig"]

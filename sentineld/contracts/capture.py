@@ -34,7 +34,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from sentineld.contracts.errors import BadInput
-from sentineld.contracts.treecodec import TreeCodecError, decode, encode, map_tensors
+from sentineld.contracts.treecodec import decode, encode, map_tensors
 
 __all__ = [
     "SCHEMA_VERSION",

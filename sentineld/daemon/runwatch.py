@@ -15,7 +15,7 @@ import re
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from sentineld.contracts.records import StepRecord, record_from_json
 from sentineld.contracts.rundir import RunDirError, RunMeta, list_captures, read_run_meta

@@ -8,14 +8,13 @@ gradients overflow whatever the scale, and that is ``loss_scale_collapse``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 from sentineld.contracts.nonfinite import INPUT_REASON, is_nonfinite, nonfinite_reasons
 from sentineld.contracts.records import StepRecord
 
-from .base import Verdict, as_float, finite, make_verdict, step_of, trailing
+from .base import Verdict, finite, make_verdict, step_of, trailing
 
 __all__ = ["NonfiniteConfig", "LossScaleConfig", "detect_nonfinite", "detect_loss_scale_collapse",
            "NONFINITE_FIX", "DATA_NONFINITE_FIX", "LOSS_SCALE_FIX"]

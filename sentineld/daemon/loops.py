@@ -1,0 +1,182 @@
+"""The daemon's background threads, each a loop that ends when the shared stop event is set
+(watchdog's ``BaseThread`` pattern) and is restarted after a bug rather than ending the watch:
+
+- :class:`DeliveryThread` sends due outbox notifications (retry with backoff; crash protocol in
+  :mod:`sentineld.daemon.delivery`) and forwards to Alertmanager;
+- :class:`ReplayThread` runs one replay subprocess at a time (timeout, memory limit) and hands
+  its outcome on;
+- :class:`RecoverThread` turns the on-disk ring of a training process that died without closing
+  into a ``crash`` capture (:mod:`sentineld.daemon.ring_recovery`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from sentineld.daemon.daemon_config import DaemonConfig
+from sentineld.daemon.delivery import SecretFilter, deliver_due
+from sentineld.daemon.notifier import Notifier
+from sentineld.daemon.replay_runner import ReplayOutcome, run_replay_subprocess
+from sentineld.daemon.ring_recovery import recover_ring
+from sentineld.daemon.runwatch import RunWatch
+from sentineld.daemon.watcher import DirtyRuns
+
+__all__ = ["Stats", "guard", "LoopThread", "DeliveryThread", "ReplayThread", "RecoverThread",
+           "RECOVER_RETRY_S"]
+
+log = logging.getLogger("sentineld.daemon")
+
+#: Seconds before a failed ring recovery is tried again.
+RECOVER_RETRY_S = 60.0
+
+
+@dataclass
+class Stats:
+    """Counters shown in ``status.json`` (each written by one thread)."""
+
+    alerts_sent: int = 0
+    alerts_suppressed: int = 0
+    resent_in_doubt: int = 0
+    replays_run: int = 0
+    rings_recovered: int = 0
+    delivery_failures: int = 0
+
+
+def guard(fn: Callable[[], None], stop: threading.Event) -> None:
+    """Run ``fn`` until it returns or ``stop`` is set; a bug restarts it after 1 s."""
+    while not stop.is_set():
+        try:
+            fn()
+            return
+        except Exception:  # noqa: BLE001 - a bug in one loop must not end the watch
+            log.exception("daemon loop %s failed; restarting it in 1 s", getattr(fn, "__name__", fn))
+            stop.wait(1.0)
+
+
+class LoopThread(threading.Thread):
+    """A daemon thread running :meth:`loop` under :func:`guard` until ``stop`` is set."""
+
+    def __init__(self, name: str, stop: threading.Event) -> None:
+        super().__init__(name=name, daemon=True)
+        self.stop_event = stop
+
+    def should_keep_running(self) -> bool:
+        """False once the daemon is stopping."""
+        return not self.stop_event.is_set()
+
+    def run(self) -> None:
+        guard(self.loop, self.stop_event)
+
+    def loop(self) -> None:
+        """The thread's body: loop while :meth:`should_keep_running`."""
+        raise NotImplementedError
+
+
+class DeliveryThread(LoopThread):
+    """Deliver due notifications every second, or at once when woken."""
+
+    def __init__(self, stop: threading.Event, cfg: DaemonConfig, notifier: Notifier, log_path: Path,
+                 secrets: SecretFilter, stats: Stats, metrics: dict[str, Any]) -> None:
+        super().__init__("delivery", stop)
+        self.cfg, self.notifier, self.log_path = cfg, notifier, log_path
+        self.secrets, self.stats, self.metrics = secrets, stats, metrics
+
+    def loop(self) -> None:
+        n = self.notifier
+        while self.should_keep_running():
+            res = deliver_due(n.outbox, n.dests, self.log_path, initial_s=self.cfg.retry_initial_s,
+                              max_s=self.cfg.retry_max_s, clock=n.clock, scrub=self.secrets.scrub,
+                              stop=self.stop_event.is_set)
+            self.stats.resent_in_doubt += res.resent
+            self.stats.alerts_sent += res.delivered
+            self.stats.delivery_failures += res.failed
+            if self.metrics:
+                if res.failed:
+                    self.metrics["failures"].inc(res.failed)
+                if res.delivered:
+                    self.metrics["sent"].labels("any").inc(res.delivered)
+                self.metrics["pending"].set(n.outbox.pending_count())
+            n.am_flush(self.cfg.alertmanager_url or "")
+            n.delivery_wake.wait(1.0)
+            n.delivery_wake.clear()
+
+
+class ReplayThread(LoopThread):
+    """Replay queued captures one at a time; ``finish(rw, cap, outcome, record)`` takes each result.
+
+    Args:
+        record_of: path of a capture's replay record (its existence means "replayed").
+        queued: keys of the captures queued or running (a capture cut short by the daemon's own
+            shutdown leaves it, to run again after a restart).
+    """
+
+    def __init__(self, stop: threading.Event, cfg: DaemonConfig, jobs: queue.Queue[tuple[RunWatch, Path]],
+                 scratch: Path, record_of: Callable[[RunWatch, Path], Path], queued: set[str],
+                 finish: Callable[[RunWatch, Path, ReplayOutcome, Path], None]) -> None:
+        super().__init__("replay", stop)
+        self.cfg, self.jobs, self.scratch = cfg, jobs, scratch
+        self.record_of, self.queued, self.finish = record_of, queued, finish
+
+    def loop(self) -> None:
+        while self.should_keep_running():
+            try:
+                rw, cap = self.jobs.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            record = self.record_of(rw, cap)
+            if record.exists() or rw.meta is None:
+                continue
+            log.info("run %s: replaying %s", rw.run_id, cap.name)
+            try:
+                outcome = run_replay_subprocess(rw.meta, rw.run_dir, cap, timeout_s=self.cfg.replay_timeout_s,
+                                                memory_bytes=self.cfg.replay_memory_bytes,
+                                                scratch_dir=self.scratch)
+            except OSError as exc:  # the interpreter vanished, no fds left, ...
+                outcome = ReplayOutcome("failed", None, f"cannot start the replay: {exc}", 0.0, None)
+            if self.stop_event.is_set() and outcome.result in ("failed", "timeout"):
+                self.queued.discard(str(cap))
+                return  # cut short by our own shutdown: it runs again after a restart
+            self.finish(rw, cap, outcome, record)
+
+
+class RecoverThread(LoopThread):
+    """Assemble crash captures from dead processes' on-disk rings; marks the run dirty after.
+
+    Args:
+        retry_at: ring path -> monotonic time before which it is not looked at again (shared
+            with the main loop, which queues rings).
+    """
+
+    def __init__(self, stop: threading.Event, jobs: queue.Queue[tuple[RunWatch, Path]],
+                 retry_at: dict[str, float], dirty: DirtyRuns, stats: Stats) -> None:
+        super().__init__("recover", stop)
+        self.jobs, self.retry_at, self.dirty, self.stats = jobs, retry_at, dirty, stats
+
+    def loop(self) -> None:
+        while self.should_keep_running():
+            try:
+                rw, ring = self.jobs.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                cap = recover_ring(ring, who=f"the sentineld daemon (pid {os.getpid()})")
+            except Exception as exc:  # noqa: BLE001 - a damaged ring must not stop the daemon
+                log.warning("run %s: cannot turn the on-disk ring %s into a capture (retrying in "
+                            "%g s): %s", rw.run_id, ring.name, RECOVER_RETRY_S, exc)
+                self.retry_at[str(ring)] = time.monotonic() + RECOVER_RETRY_S
+                continue
+            if cap is None and ring.exists():  # its writer holds the lock: look again later
+                self.retry_at[str(ring)] = time.monotonic() + 1.0
+                continue
+            if cap is not None:
+                self.stats.rings_recovered += 1
+                log.info("run %s: a training process died without closing; crash capture %s "
+                         "assembled from its on-disk ring", rw.run_id, cap.name)
+                self.dirty.add(rw.run_dir)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from sentineld.contracts.rundir import valid_run_id
+from sentineld.contracts.rundir import stream_path, valid_run_id
 
 __all__ = ["dist_rank", "default_run_id", "unwrap", "torch_flags", "unused_run_id"]
 
@@ -68,7 +68,7 @@ def unused_run_id(parent: Path, run_id: str, rank: int) -> str:
     captures (the daemon would see nothing new). All ranks of a relaunched job skip the same ids.
     """
     candidate, n = run_id, 1
-    while (parent / candidate / f"stream-rank{rank}.jsonl").exists():
+    while stream_path(parent / candidate, rank).exists():
         n += 1
         suffix = f".{n}"
         candidate = run_id[: 128 - len(suffix)] + suffix  # run ids are at most 128 characters

@@ -24,6 +24,7 @@ import torch
 
 from sentineld.contracts.recipe import Recipe, train_step
 from sentineld.contracts.rng import restore_rng
+from sentineld.contracts.snapshot import MODEL, grads_of
 from sentineld.contracts.treecodec import map_tensors
 
 from .trace import is_finite, one_thread
@@ -80,7 +81,7 @@ def load_snapshot(recipe: Recipe, snapshot: dict[str, Any]) -> list[str]:
     device = next((p.device for p in recipe.model.parameters()), torch.device("cpu"))
     snapshot = _to_device(snapshot, device)
     recast = []
-    model_sd = snapshot.get("model") or {}
+    model_sd = snapshot.get(MODEL) or {}
     own = dict(recipe.model.named_parameters()) | dict(recipe.model.named_buffers())
     for name, t in model_sd.items():
         cur = own.get(name)
@@ -94,7 +95,7 @@ def load_snapshot(recipe: Recipe, snapshot: dict[str, Any]) -> list[str]:
         raise RebuildError(f"the recipe's model/optimizer does not match the captured state: "
                            f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}") from None
     # Gradients carried into the step (a loop without zero_grad) are part of the state.
-    grads = snapshot.get("grads") or {}
+    grads = grads_of(snapshot)
     for name, p in recipe.model.named_parameters():
         g = grads.get(name)
         p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype)

@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from sentineld.contracts.snapshot import load_into
+
 __all__ = ["Recipe", "train_step", "PHASES"]
 
 #: Phases of one step, in order, as reported to ``on_phase``.
@@ -56,23 +58,9 @@ class Recipe:
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be > 0 or None, got {self.clip_grad_norm}")
 
-    def state(self) -> dict[str, Any]:
-        """State dicts of model, optimizer, scheduler and scaler (references, not copies)."""
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-            "scaler": None if self.scaler is None else self.scaler.state_dict(),
-        }
-
     def load_state(self, state: dict[str, Any]) -> None:
-        """Load what :meth:`state` returned (missing scheduler/scaler entries are skipped)."""
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler is not None and state.get("scaler") is not None:
-            self.scaler.load_state_dict(state["scaler"])
+        """Load a snapshot (:mod:`sentineld.contracts.snapshot`) into this recipe's objects."""
+        load_into(state, self.model, self.optimizer, self.scheduler, self.scaler)
 
 
 def _device_type(model: torch.nn.Module) -> str:

@@ -30,7 +30,7 @@ def grad_norm(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
                 by_device.setdefault((g.device, g.dtype), []).append(g)
     if not by_device:
         return None
-    norms = []
+    norms: list[torch.Tensor] = []
     for grads in by_device.values():
         low = grads[0].dtype in (torch.float16, torch.bfloat16)
         norms.extend(n.float() for n in (torch._foreach_norm(grads, 2, dtype=torch.float32) if low

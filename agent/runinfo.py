@@ -46,9 +46,10 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         pass
     while True:
         if isinstance(model, wrappers):
-            model = model.module
-        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
-            model = model._orig_mod
+            model = model.module  # type: ignore[assignment]  # a wrapper holds a Module
+        elif (type(model).__name__ == "OptimizedModule"
+              and isinstance(getattr(model, "_orig_mod", None), torch.nn.Module)):
+            model = model._orig_mod  # type: ignore[assignment]
         else:
             return model
 

@@ -371,8 +371,9 @@ class Watch:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if getattr(self, "_probes", None) is not None:
-            self._probes.remove()
+        probes = getattr(self, "_probes", None)
+        if probes is not None:
+            probes.remove()
             self._probes = None
 
     def close(self, reason: str = "finished", timeout_s: float = 120.0) -> None:

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from sentineld.contracts.errors import BadInput
 from sentineld.contracts.capture import CaptureError, first_rank_capture, open_capture
+from sentineld.contracts.errors import BadInput
 from sentineld.contracts.recipe import Recipe
 from sentineld.contracts.rundir import RunDirError, RunMeta, list_captures, read_run_meta
 

@@ -18,10 +18,10 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from sentineld.contracts.errors import BadInput
 import numpy as np
 import torch
 
+from sentineld.contracts.errors import BadInput
 from sentineld.contracts.recipe import Recipe, train_step
 from sentineld.contracts.rng import restore_rng
 from sentineld.contracts.snapshot import MODEL, grads_of

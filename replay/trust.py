@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sentineld.contracts.errors import BadInput
+
 __all__ = ["UntrustedError", "RecipeError", "check_owned", "load_recipe_factory"]
 
 log = logging.getLogger("sentineld.replay")

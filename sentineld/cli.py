@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -35,7 +35,7 @@ def _setup_logging(verbose: bool) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
-def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
+def _fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     click.echo(f"sentineld: {message}", err=True)
     sys.exit(code)
 
@@ -54,7 +54,8 @@ def _daemon_options(fn: Any) -> Any:
         click.option("--runs-dir", type=click.Path(file_okay=False), default=None,
                      help="Parent of run directories (default $SENTINELD_RUNS_DIR or the user state dir)."),
         click.option("--state-dir", type=click.Path(file_okay=False), default=None,
-                     help="Outbox, replays, pidfile and log (default $SENTINELD_STATE_DIR or ~/.local/state/sentineld)."),
+                     help="Outbox, replays, pidfile and log "
+                          "(default $SENTINELD_STATE_DIR or ~/.local/state/sentineld)."),
         click.option("--notify", multiple=True, help="apprise URL to notify (repeatable)."),
         click.option("--alertmanager-url", default=None, help="Forward alerts to this Alertmanager (v2 API)."),
         click.option("--metrics-port", type=int, default=None, help="Daemon metrics port (9490; 0 = off)."),
@@ -84,8 +85,8 @@ def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, 
           verbose: bool) -> None:
     """Start the daemon (in the background unless --foreground)."""
     cfg = _load(config_path, runs_dir, state_dir, notify, alertmanager_url, metrics_port, no_replay)
-    from sentineld.daemon.service import AlreadyRunning, Daemon, daemon_pid  # noqa: PLC0415
     from sentineld.daemon.delivery import valid_url  # noqa: PLC0415
+    from sentineld.daemon.service import AlreadyRunning, Daemon, daemon_pid  # noqa: PLC0415
 
     bad = [i for i, u in enumerate(cfg.notify) if not valid_url(u)]
     if bad:
@@ -207,7 +208,7 @@ def runs(runs_dir: str | None, as_json: bool) -> None:
     from sentineld.daemon.runwatch import RunWatch  # noqa: PLC0415
 
     rd = Path(runs_dir) if runs_dir else load_config().runs_dir
-    rows = []
+    rows: list[dict[str, Any]] = []
     for d in sorted(p for p in rd.iterdir() if p.is_dir()) if rd.is_dir() else []:
         rw = RunWatch(d)
         rw.poll()
@@ -247,8 +248,8 @@ def recover(run: str, runs_dir: str | None) -> None:
     leaves ``ring-rank<R>-<pid>/`` behind; the daemon recovers it on its own, this does it
     without a daemon. Rings of live processes are left alone.
     """
-    from sentineld.daemon.ring_recovery import recover_run  # noqa: PLC0415
     from sentineld.contracts.rundir import RunDirError  # noqa: PLC0415
+    from sentineld.daemon.ring_recovery import recover_run  # noqa: PLC0415
 
     try:
         run_dir = _run_dir(run, runs_dir)

@@ -71,7 +71,6 @@ def run_demo(fault: str, runs_dir: str | None, notify: tuple[str, ...], epochs: 
     from rich.progress import Progress  # noqa: PLC0415
 
     from sentineld.agent import attach  # noqa: PLC0415
-
     from sentineld.demo_model import load_digits_tensors, loss_fn, make_recipe  # noqa: PLC0415
 
     con = Console()

@@ -66,13 +66,13 @@ def nonfinite_reasons(record: Any) -> list[str]:
         input batch, then the sampled modules whose parameters are non-finite (at most 3 named).
     """
     reasons = []
-    loss = getattr(record, "loss", None)
+    loss: Any = getattr(record, "loss", None)
     if _bad(loss):
         reasons.append(f"loss={float(loss)}")
-    gn = getattr(record, "grad_norm", None)
+    gn: Any = getattr(record, "grad_norm", None)
     if _bad(gn) and not getattr(record, "optimizer_skipped", False):
         reasons.append(f"grad_norm={float(gn)}")
-    lr = getattr(record, "lr", None)
+    lr: Any = getattr(record, "lr", None)
     if _bad(lr):
         reasons.append(f"learning rate lr={float(lr)}")
     if getattr(record, "param_nonfinite", None) is True:

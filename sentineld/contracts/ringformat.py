@@ -99,8 +99,9 @@ def write_ring_file(path: Path, header: dict[str, Any], packer: Packer) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         try:
-            for buf in [MAGIC + len(head).to_bytes(8, "little") + head,
-                        *(memoryview(a).cast("B") for a in packer.arrays if a.nbytes)]:
+            bufs: list[Any] = [MAGIC + len(head).to_bytes(8, "little") + head,
+                               *(memoryview(a).cast("B") for a in packer.arrays if a.nbytes)]  # type: ignore[arg-type]
+            for buf in bufs:
                 view = memoryview(buf)
                 while view:
                     view = view[os.write(fd, view):]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sentineld.contracts.errors import BadInput
+
 __all__ = [
     "RUN_SCHEMA_VERSION",
     "RunDirError",

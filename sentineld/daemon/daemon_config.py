@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 from sentineld.contracts.errors import BadInput
 from sentineld.contracts.rundir import default_runs_dir
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10

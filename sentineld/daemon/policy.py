@@ -130,7 +130,7 @@ def decide(active: Mapping[str, Mapping[str, Any]], per_rank: Mapping[int, Seque
     if any(a.signature == "nonfinite" for a in current.values()):
         current = {k: a for k, a in current.items() if a.signature in ("nonfinite", "stalled")}
     new: dict[str, dict[str, Any]] = {k: dict(v) for k, v in active.items()}
-    for key, v in new.items():
+    for v in new.values():
         v["ranks"] = list(v.get("ranks", []))
     fired, cleared = transitions(new.keys(), current)
     for key, a in current.items():

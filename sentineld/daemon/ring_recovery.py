@@ -18,9 +18,19 @@ from pathlib import Path
 from typing import Any
 
 from sentineld.contracts.capture import SCHEMA_VERSION, capture_name, write_h5_atomic
-from sentineld.contracts.ringformat import (RING_DIR, RING_PREFIX, SNAP_FILE, STEP_FILE, close_mapping,
-                                            put_tree, read_ring_file, ring_array, ring_state, snap_file,
-                                            step_file)
+from sentineld.contracts.ringformat import (
+    RING_DIR,
+    RING_PREFIX,
+    SNAP_FILE,
+    STEP_FILE,
+    close_mapping,
+    put_tree,
+    read_ring_file,
+    ring_array,
+    ring_state,
+    snap_file,
+    step_file,
+)
 from sentineld.contracts.rundir import stream_path
 from sentineld.contracts.stream import read_stream
 
@@ -77,7 +87,7 @@ def recover_ring(ring_dir: Path, who: str = "sentineld") -> Path | None:
         except (OSError, ValueError):
             meta = {}
         try:
-            rank = int(meta.get("rank", m.group(1) if m else 0))
+            rank = int(meta.get("rank", m.group(1) if m else 0))  # type: ignore[arg-type]
         except (TypeError, ValueError):
             rank = int(m.group(1)) if m else 0
         snaps, steps = set(), set()

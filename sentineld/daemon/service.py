@@ -38,8 +38,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
 
-from sentineld.contracts.rundir import make_private_dir, parse_capture_name
 from sentineld.contracts.ringformat import ring_state
+from sentineld.contracts.rundir import make_private_dir, parse_capture_name
 from sentineld.daemon.daemon_config import DaemonConfig
 from sentineld.daemon.delivery import SecretFilter, destinations, url_secrets
 from sentineld.daemon.loops import DeliveryThread, RecoverThread, ReplayThread, Stats, guard
@@ -49,9 +49,16 @@ from sentineld.daemon.outbox import Outbox, notification_id
 from sentineld.daemon.policy import Active, Decision, active_from_dict, decide, due_holds
 from sentineld.daemon.replay_runner import ReplayOutcome
 from sentineld.daemon.runwatch import RunWatch, load_progress, save_progress
+from sentineld.daemon.statedir import (
+    AlreadyRunning,
+    daemon_pid,
+    destination_secret,
+    read_status,
+    take_lock,
+    write_pidfile,
+    write_status,
+)
 from sentineld.daemon.watcher import DirtyRuns, start_observer
-from sentineld.daemon.statedir import (AlreadyRunning, daemon_pid, destination_secret, read_status,
-                                       take_lock, write_pidfile, write_status)
 
 __all__ = ["Daemon", "AlreadyRunning", "read_status", "daemon_pid"]
 

@@ -18,8 +18,7 @@ from typing import Any, Mapping
 from .activations import DeadReluConfig, SaturationConfig
 from .gradients import ExplodingConfig, MissingGradientsConfig, VanishingConfig, ZeroGradConfig
 from .liveness import StalledConfig
-from .loss import (DivergenceGrowthConfig, DivergenceSpikeConfig, InitialLossConfig,
-                   OscillationConfig, PlateauConfig)
+from .loss import DivergenceGrowthConfig, DivergenceSpikeConfig, InitialLossConfig, OscillationConfig, PlateauConfig
 from .numerics import LossScaleConfig, NonfiniteConfig
 from .updates import NotAppliedConfig, UpdateRatioConfig
 

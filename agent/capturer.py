@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from sentineld.contracts.capture import CaptureStep, capture_name, write_capture
+from sentineld.contracts.capture import CaptureStep, write_capture
+from sentineld.contracts.rundir import RunDir
 from sentineld.contracts.stream import StreamWriter
 from sentineld.contracts.triggers import CRASH
 
@@ -44,7 +45,7 @@ class CaptureWriter:
     def start(self, trigger: str, step: int, snap: Snapshot, entries: list[RingEntry],
               grads: Any, message: str) -> None:
         """Start writing ``capture-rank<R>-step<step>-<trigger>.h5`` from ``snap`` and ``entries``."""
-        path = self.run_dir / capture_name(self.rank, step, trigger)
+        path = RunDir(self.run_dir).capture(self.rank, step, trigger)
         args = (path, trigger, step, snap, entries, grads, message)
         t = threading.Thread(target=self._write, args=args, name="sentineld-capture", daemon=True)
         self._threads.append(t)

@@ -20,7 +20,8 @@ from typing import Any, Callable
 import numpy as np
 
 from sentineld.contracts.capture import disk_full_error
-from sentineld.contracts.ringformat import RING_PREFIX, Packer, snap_file, step_file, write_ring_file
+from sentineld.contracts.ringformat import Packer, snap_file, step_file, write_ring_file
+from sentineld.contracts.rundir import RunDir
 
 __all__ = ["DiskRingWriter"]
 
@@ -48,11 +49,11 @@ class DiskRingWriter:
 
     def __init__(self, run_dir: Path, rank: int, window: int, meta: dict[str, Any] | None = None,
                  on_warning: Callable[[str], None] | None = None) -> None:
-        base = f"{RING_PREFIX}{rank}-{os.getpid()}"
-        d, n = run_dir / base, 0
+        names, n = RunDir(run_dir), 0
+        d = run_dir / names.ring_name(rank, os.getpid())
         while d.exists():  # a dead process with our pid left one: keep it for recovery
             n += 1
-            d = run_dir / f"{base}-{n}"
+            d = run_dir / names.ring_name(rank, os.getpid(), n)
         # Built under a hidden name and renamed once locked: a watcher never sees the ring
         # without its lock held (it would take the ring for a dead process's).
         init = run_dir / f".{d.name}.init"

@@ -43,7 +43,7 @@ import torch
 
 from sentineld.contracts.records import record_to_json
 from sentineld.contracts.rng import capture_rng
-from sentineld.contracts.rundir import default_runs_dir, valid_run_id
+from sentineld.contracts.rundir import RunDir, default_runs_dir, valid_run_id
 from sentineld.contracts.snapshot import state_of
 from sentineld.contracts.triggers import CRASH, MANUAL
 
@@ -113,7 +113,7 @@ class Watch:
         # Imported now, not at the first capture: the exit paths (atexit, excepthook) write
         # captures, and a first `import h5py` from an atexit handler segfaults (h5py 3.16).
         import h5py  # noqa: F401, PLC0415
-        for stale in self.run_dir.glob(f"capture-rank{self.rank}-*.h5.tmp"):
+        for stale in RunDir(self.run_dir).unfinished_captures(self.rank):
             stale.unlink(missing_ok=True)  # a capture a killed process of this rank never finished
         self._disk = self._start_disk_ring()
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from sentineld.contracts.capture import CaptureError, first_rank_capture, open_capture
 from sentineld.contracts.errors import BadInput
 from sentineld.contracts.recipe import Recipe
-from sentineld.contracts.rundir import RunDirError, RunMeta, list_captures, read_run_meta
+from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, read_run_meta
 
 from .localize import localize
 from .rebuild import RebuildError, Rebuilt, load_snapshot, rebuild, torch_globals
@@ -147,7 +147,7 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
                                f"replayable steps: {cap.snapshot_step}..{steps[-1]}")
         records = {int(r["step"]): r for r in cap.records() if isinstance(r, dict) and "step" in r}
         losses = {s: float(r["loss"]) for s, r in records.items() if isinstance(r.get("loss"), (int, float))}
-        named_by = [p for p in (run_dir / "run.json", cap_path) if p.exists()]
+        named_by = [p for p in (run_dir / RunDir.RUN_JSON, cap_path) if p.exists()]
         make = _factory(meta, spec, trust, named_by)
         rec = make()
         flags = meta.extra.get("torch_flags") if isinstance(meta.extra, dict) else None

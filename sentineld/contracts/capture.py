@@ -43,7 +43,6 @@ __all__ = [
     "write_capture",
     "Capture",
     "open_capture",
-    "capture_name",
     "write_step",
     "write_snapshot",
     "write_h5_atomic",
@@ -67,11 +66,6 @@ class CaptureStep:
     step: int
     batch: Any
     rng: Mapping[str, Any] | None
-
-
-def capture_name(rank: int, step: int, trigger: str) -> str:
-    """File name of a capture: ``capture-rank<R>-step<N>-<trigger>.h5`` (sorts by rank, then step)."""
-    return f"capture-rank{rank}-step{step:09d}-{trigger}.h5"
 
 
 def _torch():

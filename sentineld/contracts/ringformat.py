@@ -43,11 +43,10 @@ import numpy as np
 from sentineld.contracts.capture import tensor_to_numpy
 from sentineld.contracts.treecodec import encode
 
-__all__ = ["RING_PREFIX", "RING_DIR", "SNAP_FILE", "STEP_FILE", "MAGIC", "Packer", "write_ring_file",
+__all__ = ["SNAP_FILE", "STEP_FILE", "MAGIC", "Packer", "write_ring_file",
            "read_ring_file", "close_mapping", "ring_array", "put_tree", "ring_state", "snap_file",
            "step_file"]
 
-RING_PREFIX = "ring-rank"
 SNAP_FILE = re.compile(r"^snap-(\d+)\.ring$")
 STEP_FILE = re.compile(r"^step-(\d+)\.ring$")
 MAGIC = b"SNTLRING1\n"
@@ -156,7 +155,6 @@ def put_tree(group: Any, packed: dict[str, Any], body: memoryview) -> None:
     group.create_dataset("tree", data=json.dumps(packed["tree"]))
     for i, (torch_dtype, *desc) in enumerate(packed["tensors"]):
         group.create_dataset(str(i), data=ring_array(body, desc)).attrs["torch_dtype"] = str(torch_dtype)
-RING_DIR = re.compile(r"^ring-rank(\d+)-(\d+)(?:-\d+)?$")
 
 
 

@@ -31,8 +31,11 @@ __all__ = [
     "write_run_meta",
     "read_run_meta",
     "resolve_run",
+    "RunDir",
     "stream_path",
+    "capture_name",
     "list_captures",
+    "parse_capture_name",
     "valid_run_id",
 ]
 
@@ -112,7 +115,7 @@ def make_private_dir(path: str | os.PathLike[str]) -> Path:
 
 def write_run_meta(run_dir: Path, meta: RunMeta) -> Path:
     """Write ``run.json`` atomically with mode 0600 (rank 0 wins; other ranks write ``run-rank<R>.json``)."""
-    name = "run.json" if meta.rank == 0 else f"run-rank{meta.rank}.json"
+    name = RunDir.meta_name(meta.rank)
     path = run_dir / name
     tmp = path.with_name(name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -129,7 +132,7 @@ def read_run_meta(run_dir: str | os.PathLike[str]) -> RunMeta:
         RunDirError: missing, not JSON, unknown schema version, or a field of the wrong type.
     """
     run_dir = Path(run_dir)
-    path = run_dir / "run.json"
+    path = run_dir / RunDir.RUN_JSON
     if not path.exists():
         others = sorted(run_dir.glob("run-rank*.json"))
         if not others:
@@ -188,25 +191,98 @@ def default_runs_dir() -> Path:
     return Path(platformdirs.user_state_dir("sentineld")) / "runs"
 
 
+class RunDir:
+    """Every name in a run directory, and the patterns that recognise them: the one place they are
+    spelled (agent, daemon, recovery and replay all ask this object).
+
+    Args:
+        path: the run directory.
+    """
+
+    RUN_JSON = "run.json"
+    STREAM = re.compile(r"^stream-rank(\d+)\.jsonl$")
+    CAPTURE = re.compile(r"^capture-rank(\d+)-step(\d+)-([a-z_]+)\.h5$")
+    RING_PREFIX = "ring-rank"
+    RING = re.compile(r"^ring-rank(\d+)-(\d+)(?:-\d+)?$")
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    @staticmethod
+    def meta_name(rank: int) -> str:
+        """``run.json`` for rank 0, ``run-rank<R>.json`` for the others."""
+        return RunDir.RUN_JSON if rank == 0 else f"run-rank{rank}.json"
+
+    def stream(self, rank: int) -> Path:
+        """Rank ``rank``'s metrics stream, ``stream-rank<R>.jsonl``."""
+        return self.path / f"stream-rank{rank}.jsonl"
+
+    @staticmethod
+    def capture_name(rank: int, step: int, trigger: str) -> str:
+        """``capture-rank<R>-step<N>-<trigger>.h5`` (sorts by rank, then step)."""
+        return f"capture-rank{rank}-step{step:09d}-{trigger}.h5"
+
+    def capture(self, rank: int, step: int, trigger: str) -> Path:
+        """Path of a capture (see :meth:`capture_name`)."""
+        return self.path / self.capture_name(rank, step, trigger)
+
+    def unfinished_captures(self, rank: int) -> list[Path]:
+        """Rank ``rank``'s ``*.h5.tmp`` files: captures a killed process never finished."""
+        return list(self.path.glob(f"capture-rank{rank}-*.h5.tmp"))
+
+    def ring_name(self, rank: int, pid: int, n: int = 0) -> str:
+        """Name of an on-disk ring directory (``ring-rank<R>-<pid>[-<n>]``)."""
+        base = f"{self.RING_PREFIX}{rank}-{pid}"
+        return base if n == 0 else f"{base}-{n}"
+
+    def ring_dirs(self) -> list[Path]:
+        """On-disk ring directories in this run directory, sorted (none when unreadable)."""
+        try:
+            return sorted(p for p in self.path.iterdir() if p.name.startswith(self.RING_PREFIX) and p.is_dir())
+        except OSError:
+            return []
+
+    @classmethod
+    def stream_rank(cls, name: str) -> int | None:
+        """The rank of a stream file name, or None if it is not one."""
+        m = cls.STREAM.match(name)
+        return int(m.group(1)) if m else None
+
+    @classmethod
+    def parse_capture_name(cls, name: str) -> tuple[int, int, str] | None:
+        """``(rank, step, trigger)`` of a capture file name, or None if it is not one."""
+        m = cls.CAPTURE.match(name)
+        return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+
+    def captures(self) -> list[tuple[int, int, str, Path]]:
+        """Finished captures as ``(rank, step, trigger, path)`` sorted by step, then rank.
+
+        Raises:
+            OSError: the directory cannot be listed.
+        """
+        out = []
+        for p in self.path.iterdir():
+            parsed = self.parse_capture_name(p.name)
+            if parsed:
+                out.append((*parsed, p))
+        return sorted(out, key=lambda t: (t[1], t[0]))
+
+
 def stream_path(run_dir: Path, rank: int) -> Path:
-    """Path of rank ``rank``'s metrics stream."""
-    return run_dir / f"stream-rank{rank}.jsonl"
+    """Path of rank ``rank``'s metrics stream (:meth:`RunDir.stream`)."""
+    return RunDir(run_dir).stream(rank)
 
 
-_CAPTURE = re.compile(r"^capture-rank(\d+)-step(\d+)-([a-z_]+)\.h5$")
+def capture_name(rank: int, step: int, trigger: str) -> str:
+    """File name of a capture (:meth:`RunDir.capture_name`)."""
+    return RunDir.capture_name(rank, step, trigger)
 
 
 def list_captures(run_dir: Path) -> list[tuple[int, int, str, Path]]:
     """Finished captures as ``(rank, step, trigger, path)`` sorted by step, then rank (temp files skipped)."""
-    out = []
-    for p in run_dir.iterdir():
-        m = _CAPTURE.match(p.name)
-        if m:
-            out.append((int(m.group(1)), int(m.group(2)), m.group(3), p))
-    return sorted(out, key=lambda t: (t[1], t[0]))
+    return RunDir(run_dir).captures()
 
 
 def parse_capture_name(name: str) -> tuple[int, int, str] | None:
     """``(rank, step, trigger)`` of a capture file name, or None if it is not one."""
-    m = _CAPTURE.match(name)
-    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+    return RunDir.parse_capture_name(name)

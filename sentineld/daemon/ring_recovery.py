@@ -17,10 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sentineld.contracts.capture import SCHEMA_VERSION, capture_name, write_h5_atomic
+from sentineld.contracts.capture import SCHEMA_VERSION, write_h5_atomic
 from sentineld.contracts.ringformat import (
-    RING_DIR,
-    RING_PREFIX,
     SNAP_FILE,
     STEP_FILE,
     close_mapping,
@@ -31,8 +29,9 @@ from sentineld.contracts.ringformat import (
     snap_file,
     step_file,
 )
-from sentineld.contracts.rundir import stream_path
+from sentineld.contracts.rundir import RunDir, stream_path
 from sentineld.contracts.stream import read_stream
+from sentineld.contracts.triggers import CRASH
 
 __all__ = ["ring_state", "recover_ring", "recover_run"]
 
@@ -70,7 +69,7 @@ def recover_ring(ring_dir: Path, who: str = "sentineld") -> Path | None:
     import h5py  # noqa: PLC0415
 
     ring_dir = Path(ring_dir)
-    m = RING_DIR.match(ring_dir.name)
+    m = RunDir.RING.match(ring_dir.name)
     run_dir = ring_dir.parent
     try:
         fd = os.open(ring_dir / "lock", os.O_RDWR)
@@ -112,7 +111,7 @@ def recover_ring(ring_dir: Path, who: str = "sentineld") -> Path | None:
             shutil.rmtree(ring_dir, ignore_errors=True)
             return None
         first, last = chosen
-        path = run_dir / capture_name(rank, last, "crash")
+        path = RunDir(run_dir).capture(rank, last, CRASH)
         if not path.exists():
             _assemble(h5py, ring_dir, path, meta, rank, first, last, who)
         shutil.rmtree(ring_dir, ignore_errors=True)
@@ -168,7 +167,7 @@ def _assemble(h5py: Any, ring_dir: Path, path: Path, meta: dict[str, Any], rank:
 def recover_run(run_dir: Path, who: str = "sentineld") -> list[Path]:
     """Recover every dead ring of a run directory; returns the captures written or found."""
     out = []
-    for d in sorted(Path(run_dir).glob(f"{RING_PREFIX}*")):
+    for d in sorted(Path(run_dir).glob(f"{RunDir.RING_PREFIX}*")):
         if d.is_dir() and ring_state(d) == "dead":
             p = recover_ring(d, who)
             if p is not None:

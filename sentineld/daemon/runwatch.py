@@ -11,20 +11,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sentineld.contracts.records import StepRecord, record_from_json
-from sentineld.contracts.rundir import RunDirError, RunMeta, list_captures, read_run_meta
+from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, read_run_meta
 from sentineld.contracts.stream import CHUNK_BYTES, StreamTail, read_lines
 
 __all__ = ["RunWatch", "save_progress", "load_progress"]
 
 log = logging.getLogger("sentineld.daemon")
-_STREAM = re.compile(r"^stream-rank(\d+)\.jsonl$")
 
 
 def _as_int(v: Any, default: int = 0) -> int:
@@ -90,7 +88,7 @@ class RunWatch:
         return any(self._buf.get(r) for r in self.tails) or any(t.behind for t in self.tails.values())
 
     def _add_rank(self, rank: int, offset: int = 0) -> StreamTail:
-        tail = StreamTail(self.run_dir / f"stream-rank{rank}.jsonl")
+        tail = StreamTail(RunDir(self.run_dir).stream(rank))
         tail.offset = offset
         self.tails[rank] = tail
         self.records[rank] = deque(maxlen=self.window)
@@ -118,9 +116,9 @@ class RunWatch:
             return new, []
         self.error = None
         for name in names:
-            m = _STREAM.match(name)
-            if m and int(m.group(1)) not in self.tails:
-                self._add_rank(int(m.group(1)))
+            rank = RunDir.stream_rank(name)
+            if rank is not None and rank not in self.tails:
+                self._add_rank(rank)
         for rank, tail in self.tails.items():
             buf = self._buf[rank]
             if not buf:
@@ -184,10 +182,7 @@ class RunWatch:
 
     def ring_dirs(self) -> list[Path]:
         """On-disk ring buffers (``ring-rank<R>-<pid>/``) in this run directory."""
-        try:
-            return sorted(p for p in self.run_dir.iterdir() if p.name.startswith("ring-rank") and p.is_dir())
-        except OSError:
-            return []
+        return RunDir(self.run_dir).ring_dirs()
 
     # ---------------------------------------------------------- persistence
     def progress(self) -> dict[str, Any]:

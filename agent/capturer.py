@@ -76,5 +76,3 @@ class CaptureWriter:
         self.captures.append(path)
         self.crash_captured |= trigger == CRASH
         self.latest.captures_total += 1
-        self.stream.put({"kind": "capture", "step": step, "trigger": trigger, "path": path.name,
-                         "snapshot_step": snap.step}, urgent=True)

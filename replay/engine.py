@@ -31,17 +31,13 @@ from .rebuild import RebuildError, Rebuilt, load_snapshot, rebuild, torch_global
 from .report import Report
 from .trust import RecipeError, UntrustedError, load_recipe_factory
 
-__all__ = ["ReplayError", "NotReproducedError", "replay_run", "find_capture"]
+__all__ = ["ReplayError", "replay_run", "find_capture"]
 
 log = logging.getLogger("sentineld.replay")
 
 
 class ReplayError(BadInput):
     """Bad input for a replay (no capture for the step, no recipe, a model that cannot be built)."""
-
-
-class NotReproducedError(Exception):
-    """Kept for callers that want to raise on a non-reproduced report (the CLI uses exit code 1)."""
 
 
 def find_capture(run_dir: Path, step: int | None, rank: int | None = None) -> Path:

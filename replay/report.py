@@ -58,11 +58,6 @@ class Report:
         """Strict JSON (non-finite floats become strings such as ``"nan"``)."""
         return json.dumps(_strict(asdict(self)), indent=2, sort_keys=True)
 
-    @property
-    def localized(self) -> bool:
-        """True when a culprit phase other than ``none`` was named."""
-        return self.phase != "none"
-
 
 def _strict(obj: Any) -> Any:
     if isinstance(obj, float) and not math.isfinite(obj):

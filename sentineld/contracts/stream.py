@@ -21,7 +21,7 @@ import queue
 import threading
 from collections import deque
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 __all__ = ["StreamWriter", "read_stream", "StreamTail", "read_lines", "CHUNK_BYTES", "MAX_LINE_BYTES"]
 
@@ -258,5 +258,3 @@ class StreamTail:
         self.behind = self.offset != before and self.offset < size
         return objs
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        return iter(self.read())

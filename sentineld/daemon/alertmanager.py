@@ -305,10 +305,6 @@ class ActiveAlerts:
         """Number of firing alerts."""
         return len(self._firing)
 
-    def firing(self) -> list[Labels]:
-        """Label sets of the firing alerts."""
-        return [dict(e.alert["labels"]) for e in self._firing.values()]
-
     def fire(self, alert: Alert) -> None:
         """Start or update a firing alert (same labels = same alert; last annotations win).
 

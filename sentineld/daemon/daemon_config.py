@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -187,8 +187,3 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
             where = f"config file {cfg_path}: " if cfg_path is not None else ""
             raise ConfigError(f"{where}[signatures]: {exc}") from None
     return cfg
-
-
-def with_overrides(cfg: DaemonConfig, **overrides: Any) -> DaemonConfig:
-    """``cfg`` with the given fields replaced (None values ignored)."""
-    return replace(cfg, **{k: v for k, v in overrides.items() if v is not None})

@@ -169,10 +169,6 @@ class Outbox:
         except (OSError, ValueError, TypeError):
             return None
 
-    def load(self, nid: str) -> Notification | None:
-        """The stored notification (pending or delivered), or None if absent or unreadable."""
-        return self._read(self._path(nid)) or self._read(self._done_path(nid))
-
     def __iter__(self) -> Iterator[Notification]:
         """Pending notifications."""
         for path in sorted(self.dir.glob("*.json")):

@@ -13,10 +13,12 @@ from typing import Any
 __all__ = ["replay_run", "find_capture", "ReplayError", "Report", "render_text", "REPORT_SCHEMA_VERSION"]
 
 _WHERE = {"replay_run": "engine", "find_capture": "engine", "ReplayError": "engine",
-          "Report": "report", "render_text": "report", "REPORT_SCHEMA_VERSION": "report"}
+          "Report": "verdict", "render_text": "verdict", "REPORT_SCHEMA_VERSION": "verdict"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _WHERE:
-        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+        where = _WHERE[name]
+        module = "sentineld.contracts.verdict" if where == "verdict" else f"{__name__}.{where}"
+        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,10 +25,10 @@ from sentineld.contracts.capture import CaptureError, first_rank_capture, open_c
 from sentineld.contracts.errors import BadInput
 from sentineld.contracts.recipe import Recipe
 from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, read_run_meta
+from sentineld.contracts.verdict import Report
 
 from .localize import localize
 from .rebuild import RebuildError, Rebuilt, load_snapshot, rebuild, torch_globals
-from .report import Report
 from .trust import RecipeError, UntrustedError, load_recipe_factory
 
 __all__ = ["ReplayError", "replay_run", "find_capture"]

@@ -67,8 +67,8 @@ def run_replay(run: str, step: int | None, as_json: bool, recipe: str | None, ca
 
             with open_capture(capture):  # a damaged capture fails here, before torch is imported
                 pass
+        from sentineld.contracts.verdict import render_text  # noqa: PLC0415
         from sentineld.replay.engine import replay_run  # noqa: PLC0415
-        from sentineld.replay.report import render_text  # noqa: PLC0415
 
         with _stdout_to_stderr():  # the user's code may print: stdout carries only the verdict
             report = replay_run(run_dir, step, recipe=recipe, trust=trust, capture=capture, rank=rank)

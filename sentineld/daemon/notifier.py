@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from sentineld.contracts.capture import CaptureError, open_capture
+from sentineld.contracts.verdict import notification_text
 from sentineld.daemon.delivery import LOG_TARGET, Destination
-from sentineld.daemon.messages import alert_text, recovery_text, replay_failed_text, verdict_text
+from sentineld.daemon.messages import alert_text, recovery_text, replay_failed_text
 from sentineld.daemon.outbox import Notification, Outbox, notification_id
 from sentineld.daemon.policy import Active
 from sentineld.daemon.replay_runner import ReplayOutcome
@@ -99,7 +100,7 @@ class Notifier:
         """Notify the replay's verdict on ``cap`` (or why it gave none)."""
         nid = notification_id(rw.run_id, "replay", cap.name)
         if outcome.report is not None:
-            title, body = verdict_text(outcome.report)
+            title, body = notification_text(outcome.report)
             sev = "critical" if outcome.report.get("phase") not in (None, "none") else "warning"
             note = Notification(id=nid, kind="verdict", title=title, body=body, severity=sev,
                                 run=rw.run_id, signature="replay", step=outcome.report.get("step"),

@@ -1,4 +1,6 @@
-"""The replay's verdict: a JSON-ready record and its one-paragraph text form.
+"""The replay's verdict: its schema (:class:`Report`, a JSON-ready record) and its two text forms,
+both here: :func:`render_text` for a person at a terminal (``sentineld replay``), with the evidence,
+and :func:`notification_text` for the daemon's notification (what the demo prints).
 
 JSON fields (stable; ``schema_version`` bumps on any change): ``schema_version``, ``run_id``,
 ``rank``, ``step`` (the offending step), ``requested_step``, ``phase`` (``data`` | ``forward`` |
@@ -20,9 +22,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
-__all__ = ["REPORT_SCHEMA_VERSION", "Report", "render_text"]
+__all__ = ["REPORT_SCHEMA_VERSION", "Report", "render_text", "notification_text"]
 
 REPORT_SCHEMA_VERSION = 1
 
@@ -126,3 +128,38 @@ def render_text(r: Report) -> str:
     return (f"{head}\n  {repro} over {r.steps_rebuilt} rebuilt steps (snapshot at step "
             f"{r.evidence.get('snapshot_step', '?')}){params}{details}\n"
             f"  likely cause: {r.cause}\n  fix: {r.fix}")
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return repr(v) if not math.isfinite(v) else f"{v:.6g}"
+    return str(v)
+
+
+def notification_text(report: Mapping[str, Any]) -> tuple[str, str]:
+    """Title and body of the daemon's notification of a verdict (``report`` is its JSON, as the
+    replay subprocess printed it)."""
+    run, step, phase = report.get("run_id", "?"), report.get("step", "?"), report.get("phase", "none")
+    module, mtype, op = report.get("module"), report.get("module_type"), report.get("op")
+    if phase == "none":
+        title = f"[sentineld] replay of run {run} step {step}: every value finite"
+    elif phase == "data":
+        title = f"[sentineld] replay of run {run} step {step}: non-finite input data"
+    else:
+        title = (f"[sentineld] replay of run {run}: step {step} went non-finite in {phase}"
+                 + (f", module {module}" if module else ""))
+    lines = [
+        f"phase: {phase}",
+        f"module: {module or '-'} ({mtype or '-'})",
+        f"op: {op or '-'}" + (f"  autograd node: {report['autograd_node']}" if report.get("autograd_node") else ""),
+        f"step: {step} (requested {report.get('requested_step', step)})",
+        f"parameters: {', '.join(report.get('parameters') or []) or '-'}",
+        f"reproduced: {report.get('reproduced')} (max loss deviation "
+        f"{_fmt(report.get('max_loss_deviation', 0.0))} over {report.get('steps_rebuilt', 0)} rebuilt steps)",
+        f"likely cause: {report.get('cause', '')}",
+        f"fix: {report.get('fix', '')}",
+    ]
+    ev = report.get("evidence") or {}
+    if phase == "data" and ev.get("field"):
+        lines.append(f"field: {ev['field']} samples: {ev.get('samples')}")
+    return title, "\n".join(lines) + "\n"

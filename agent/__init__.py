@@ -5,6 +5,7 @@ never apprise or watchdog.
 """
 
 from .agent_config import AgentConfig
-from .watch import Watch, attach
+from .attach import attach
+from .watch import Watch
 
 __all__ = ["attach", "Watch", "AgentConfig"]

@@ -11,15 +11,18 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from sentineld.contracts.ringformat import ring_state
 from sentineld.daemon.daemon_config import DaemonConfig
 from sentineld.daemon.delivery import SecretFilter, deliver_due
 from sentineld.daemon.notifier import Notifier
@@ -113,16 +116,29 @@ class ReplayThread(LoopThread):
 
     Args:
         record_of: path of a capture's replay record (its existence means "replayed").
-        queued: keys of the captures queued or running (a capture cut short by the daemon's own
-            shutdown leaves it, to run again after a restart).
     """
 
-    def __init__(self, stop: threading.Event, cfg: DaemonConfig, jobs: queue.Queue[tuple[RunWatch, Path]],
-                 scratch: Path, record_of: Callable[[RunWatch, Path], Path], queued: set[str],
+    def __init__(self, stop: threading.Event, cfg: DaemonConfig, scratch: Path,
+                 record_of: Callable[[RunWatch, Path], Path],
                  finish: Callable[[RunWatch, Path, ReplayOutcome, Path], None]) -> None:
         super().__init__("replay", stop)
-        self.cfg, self.jobs, self.scratch = cfg, jobs, scratch
-        self.record_of, self.queued, self.finish = record_of, queued, finish
+        self.cfg, self.scratch, self.record_of, self.finish = cfg, scratch, record_of, finish
+        self.jobs: queue.Queue[tuple[RunWatch, Path]] = queue.Queue()
+        # Captures queued or running; one cut short by the daemon's own shutdown leaves it, to
+        # run again after a restart.
+        self.queued: set[str] = set()
+
+    def offer(self, rw: RunWatch) -> None:
+        """Queue the captures of ``rw`` not replayed yet (also after a restart: a capture seen
+        before whose replay never finished runs again)."""
+        if rw.meta is None:
+            return
+        for name in sorted(rw.captures_seen):
+            cap = rw.run_dir / name
+            key = str(cap)
+            if key not in self.queued and cap.exists() and not self.record_of(rw, cap).exists():
+                self.queued.add(key)
+                self.jobs.put((rw, cap))
 
     def loop(self) -> None:
         while self.should_keep_running():
@@ -147,17 +163,30 @@ class ReplayThread(LoopThread):
 
 
 class RecoverThread(LoopThread):
-    """Assemble crash captures from dead processes' on-disk rings; marks the run dirty after.
+    """Assemble crash captures from dead processes' on-disk rings; marks the run dirty after."""
 
-    Args:
-        retry_at: ring path -> monotonic time before which it is not looked at again (shared
-            with the main loop, which queues rings).
-    """
-
-    def __init__(self, stop: threading.Event, jobs: queue.Queue[tuple[RunWatch, Path]],
-                 retry_at: dict[str, float], dirty: DirtyRuns, stats: Stats) -> None:
+    def __init__(self, stop: threading.Event, dirty: DirtyRuns, stats: Stats) -> None:
         super().__init__("recover", stop)
-        self.jobs, self.retry_at, self.dirty, self.stats = jobs, retry_at, dirty, stats
+        self.dirty, self.stats = dirty, stats
+        self.jobs: queue.Queue[tuple[RunWatch, Path]] = queue.Queue()
+        # ring path -> monotonic time before which it is not looked at again
+        self.retry_at: dict[str, float] = {}
+
+    def offer(self, rw: RunWatch) -> None:
+        """Queue the recovery of ``rw``'s on-disk rings whose training process is gone."""
+        now = time.monotonic()
+        for d in rw.ring_dirs():
+            key = str(d)
+            if now < self.retry_at.get(key, 0.0) or ring_state(d) != "dead":
+                continue
+            try:
+                host = json.loads((d / "meta.json").read_text()).get("host")
+            except (OSError, ValueError, AttributeError):
+                host = None
+            self.retry_at[key] = float("inf")
+            if host and host != socket.gethostname():
+                continue  # the daemon on its own host recovers it (flock is host-local)
+            self.jobs.put((rw, d))
 
     def loop(self) -> None:
         while self.should_keep_running():

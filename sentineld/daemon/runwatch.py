@@ -184,6 +184,15 @@ class RunWatch:
         """On-disk ring buffers (``ring-rank<R>-<pid>/``) in this run directory."""
         return RunDir(self.run_dir).ring_dirs()
 
+    def status(self) -> dict[str, Any]:
+        """This run's entry in the daemon's ``status.json``."""
+        return {"run_id": self.run_id, "run_dir": str(self.run_dir), "ranks": sorted(self.tails),
+                "last_step": max(self.last_step.values(), default=None),
+                "ended": {str(k): v for k, v in self.ended.items()},
+                "active": sorted(self.active), "captures": len(self.captures_seen),
+                "error": self.error, "bad_lines": self.bad_lines,
+                "agent_warnings": self.agent_errors[-3:]}
+
     # ---------------------------------------------------------- persistence
     def progress(self) -> dict[str, Any]:
         """What to save so a restarted daemon resumes where this one stopped.

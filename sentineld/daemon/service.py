@@ -26,10 +26,8 @@ and secrets in notification URLs never reach a log line, ``status.json`` or the 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import queue
 import signal
 import socket
 import threading
@@ -38,7 +36,6 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
 
-from sentineld.contracts.ringformat import ring_state
 from sentineld.contracts.rundir import make_private_dir, parse_capture_name
 from sentineld.daemon.daemon_config import DaemonConfig
 from sentineld.daemon.delivery import SecretFilter, destinations, url_secrets
@@ -55,6 +52,7 @@ from sentineld.daemon.statedir import (
     destination_secret,
     read_status,
     take_lock,
+    write_json_atomic,
     write_pidfile,
     write_status,
 )
@@ -99,8 +97,6 @@ class Daemon:
         self.progress_dir = make_private_dir(self.state_dir / "progress")
         self.replays_dir = make_private_dir(self.state_dir / "replays")
         self.runs: dict[str, RunWatch] = {}
-        self.replay_queue: queue.Queue[tuple[RunWatch, Path]] = queue.Queue()
-        self.recover_queue: queue.Queue[tuple[RunWatch, Path]] = queue.Queue()
         self.started_s = clock()
         self.stats = Stats()
         self.secrets = SecretFilter(set().union(*(url_secrets(u) for u in config.notify),
@@ -113,13 +109,11 @@ class Daemon:
                                  destinations(config.notify, destination_secret(self.state_dir)), clock)
         self.metrics_port: int | None = None
         self._metrics: dict[str, Any] = {}
-        self._recovering: dict[str, float] = {}
         self._rings_checked: dict[str, float] = {}
         self._saved: dict[str, float] = {}
         self._unsaved: set[str] = set()
         self._last_eval: dict[str, float] = {}
         self._sig_config = self._signature_config()
-        self._queued: set[str] = set()
         self._held: dict[tuple[str, str], float] = {}
 
     @property
@@ -185,13 +179,11 @@ class Daemon:
 
     def _serve(self) -> None:
         """Run the threads and the main loop until stopped; save what is unsaved."""
-        threads = [
-            DeliveryThread(self.stop_event, self.cfg, self.notifier, self.state_dir / "notifications.jsonl",
-                           self.secrets, self.stats, self._metrics),
-            ReplayThread(self.stop_event, self.cfg, self.replay_queue, self.replays_dir,
-                         self._replay_record, self._queued, self._finish_replay),
-            RecoverThread(self.stop_event, self.recover_queue, self._recovering, self.dirty, self.stats),
-        ]
+        self._replayer = ReplayThread(self.stop_event, self.cfg, self.replays_dir, self._replay_record,
+                                      self._finish_replay)
+        self._recoverer = RecoverThread(self.stop_event, self.dirty, self.stats)
+        threads = [DeliveryThread(self.stop_event, self.cfg, self.notifier, self.state_dir / "notifications.jsonl",
+                                  self.secrets, self.stats, self._metrics), self._replayer, self._recoverer]
         for t in threads:
             t.start()
         guard(self._main_loop, self.stop_event)
@@ -262,8 +254,9 @@ class Daemon:
         now = time.monotonic()
         if now - self._rings_checked.get(str(run_dir), 0.0) >= self.cfg.poll_s:
             self._rings_checked[str(run_dir)] = now
-            self._check_rings(rw)
-        self._queue_replays(rw)
+            self._recoverer.offer(rw)
+        if self.cfg.replay:
+            self._replayer.offer(rw)
         if changed:
             self._unsaved.add(str(run_dir))
         if str(run_dir) in self._unsaved and now - self._saved.get(str(run_dir), 0.0) >= PROGRESS_EVERY_S:
@@ -299,17 +292,6 @@ class Daemon:
             log.info("run %s: readable again", rw.run_dir.name)
             rw.reported_error = None
 
-    def _queue_replays(self, rw: RunWatch) -> None:
-        if not self.cfg.replay or rw.meta is None:
-            return
-        # Also after a restart: a capture seen before whose replay never finished runs again.
-        for name in sorted(rw.captures_seen):
-            cap = rw.run_dir / name
-            key = str(cap)
-            if key not in self._queued and cap.exists() and not self._replay_record(rw, cap).exists():
-                self._queued.add(key)
-                self.replay_queue.put((rw, cap))
-
     def _save(self, rw: RunWatch) -> None:
         save_progress(self._progress_path(rw.run_dir), rw)
         self._unsaved.discard(str(rw.run_dir))
@@ -323,22 +305,6 @@ class Daemon:
             return time.time() - run_dir.stat().st_mtime < RUN_JSON_GRACE_S
         except OSError:
             return False
-
-    def _check_rings(self, rw: RunWatch) -> None:
-        """Queue the recovery of on-disk rings whose training process is gone."""
-        now = time.monotonic()
-        for d in rw.ring_dirs():
-            key = str(d)
-            if now < self._recovering.get(key, 0.0) or ring_state(d) != "dead":
-                continue
-            try:
-                host = json.loads((d / "meta.json").read_text()).get("host")
-            except (OSError, ValueError, AttributeError):
-                host = None
-            self._recovering[key] = float("inf")
-            if host and host != socket.gethostname():
-                continue  # the daemon on its own host recovers it (flock is host-local)
-            self.recover_queue.put((rw, d))
 
     def _idle_evaluations(self) -> None:
         now = self.clock()
@@ -441,32 +407,22 @@ class Daemon:
         if self._metrics:
             self._metrics["replays"].labels(outcome.result).inc()
         self.notifier.verdict(rw, cap, outcome)
-        tmp = record.with_name(record.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"capture": str(cap), "result": outcome.result, "elapsed_s": outcome.elapsed_s,
-                       "exit_code": outcome.exit_code, "reason": outcome.reason,
-                       "report": outcome.report}, f, allow_nan=True)
-        os.replace(tmp, record)
+        write_json_atomic(record, {"capture": str(cap), "result": outcome.result,
+                                   "elapsed_s": outcome.elapsed_s, "exit_code": outcome.exit_code,
+                                   "reason": outcome.reason, "report": outcome.report})
         log.info("run %s: replay %s -> %s in %.1f s", rw.run_id, cap.name, outcome.result, outcome.elapsed_s)
 
     # --------------------------------------------------------------- status
     def _write_status(self) -> None:
-        runs = [{"run_id": rw.run_id, "run_dir": str(rw.run_dir), "ranks": sorted(rw.tails),
-                 "last_step": max(rw.last_step.values(), default=None),
-                 "ended": {str(k): v for k, v in rw.ended.items()},
-                 "active": sorted(rw.active), "captures": len(rw.captures_seen),
-                 "error": rw.error, "bad_lines": rw.bad_lines,
-                 "agent_warnings": rw.agent_errors[-3:]} for rw in self.runs.values()]
-        st, outbox = self.stats, self.notifier.outbox
+        st = self.stats
         status = {"pid": os.getpid(), "host": socket.gethostname(), "started_s": self.started_s,
                   "updated_s": self.clock(), "runs_dir": str(self.cfg.runs_dir),
                   "runs_watched": len(self.runs), "alerts_sent": st.alerts_sent,
                   "delivery_failures": st.delivery_failures, "replays_run": st.replays_run,
-                  "alerts_pending": outbox.pending_count(), "metrics_port": self.metrics_port,
+                  "alerts_pending": self.notifier.outbox.pending_count(), "metrics_port": self.metrics_port,
                   "alerts_suppressed": st.alerts_suppressed, "resent_in_doubt": st.resent_in_doubt,
-                  "rings_recovered": st.rings_recovered,
-                  "notify": [d.shown for d in self.notifier.dests], "runs": runs}
+                  "rings_recovered": st.rings_recovered, "notify": [d.shown for d in self.notifier.dests],
+                  "runs": [rw.status() for rw in self.runs.values()]}
         if self._metrics:
             self._metrics["runs"].set(len(self.runs))
         write_status(self.state_dir, status)

@@ -14,7 +14,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 __all__ = ["AlreadyRunning", "daemon_pid", "read_status", "write_status", "take_lock",
-           "write_pidfile", "destination_secret", "LOCK_NAME", "PID_NAME", "STATUS_NAME"]
+           "write_pidfile", "write_json_atomic", "destination_secret", "LOCK_NAME", "PID_NAME", "STATUS_NAME"]
 
 LOCK_NAME, PID_NAME, STATUS_NAME = "daemon.lock", "daemon.pid", "status.json"
 
@@ -77,6 +77,15 @@ def write_status(state_dir: Path, status: dict[str, Any]) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(status, f, indent=1)
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` via a temp file and rename (0600; nan/inf allowed)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, allow_nan=True)
     os.replace(tmp, path)
 
 

@@ -40,7 +40,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
@@ -241,6 +241,8 @@ class DeliveryResult:
     delivered: int = 0
     failed: int = 0
     resent: int = 0
+    #: notifications completed per signature (``replay``/``replay_failed`` for verdicts)
+    by_signature: dict[str, int] = field(default_factory=dict)
 
 
 def deliver_due(outbox: Outbox, dests: Sequence[Destination], log_path: Path, *, initial_s: float,
@@ -309,4 +311,6 @@ def deliver_due(outbox: Outbox, dests: Sequence[Destination], log_path: Path, *,
             note.delivered_s = clock()
             outbox.finish(note)
             res.delivered += 1
+            sig = note.signature or note.kind
+            res.by_signature[sig] = res.by_signature.get(sig, 0) + 1
     return res

@@ -103,8 +103,8 @@ class DeliveryThread(LoopThread):
             if self.metrics:
                 if res.failed:
                     self.metrics["failures"].inc(res.failed)
-                if res.delivered:
-                    self.metrics["sent"].labels("any").inc(res.delivered)
+                for sig, count in res.by_signature.items():
+                    self.metrics["sent"].labels(sig).inc(count)
                 self.metrics["pending"].set(n.outbox.pending_count())
             n.am_flush(self.cfg.alertmanager_url or "")
             n.delivery_wake.wait(1.0)

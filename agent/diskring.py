@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sentineld.contracts.capture import disk_full_error
+from sentineld.contracts.h5write import disk_full_error
 from sentineld.contracts.ringformat import Packer, snap_file, step_file, write_ring_file
 from sentineld.contracts.rundir import RunDir
 

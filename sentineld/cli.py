@@ -86,7 +86,8 @@ def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, 
     """Start the daemon (in the background unless --foreground)."""
     cfg = _load(config_path, runs_dir, state_dir, notify, alertmanager_url, metrics_port, no_replay)
     from sentineld.daemon.delivery import valid_url  # noqa: PLC0415
-    from sentineld.daemon.service import AlreadyRunning, Daemon, daemon_pid  # noqa: PLC0415
+    from sentineld.daemon.service import Daemon  # noqa: PLC0415
+    from sentineld.daemon.statedir import AlreadyRunning, daemon_pid  # noqa: PLC0415
 
     bad = [i for i, u in enumerate(cfg.notify) if not valid_url(u)]
     if bad:
@@ -142,7 +143,7 @@ def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, 
               help="Seconds to wait after SIGTERM before SIGKILL.")
 def stop(state_dir: str | None, grace_period: float) -> None:
     """Stop the daemon (SIGTERM, then SIGKILL after the grace period)."""
-    from sentineld.daemon.service import daemon_pid  # noqa: PLC0415
+    from sentineld.daemon.statedir import daemon_pid  # noqa: PLC0415
 
     sd = Path(state_dir) if state_dir else load_config().state_dir
     pid = daemon_pid(sd)
@@ -164,7 +165,7 @@ def stop(state_dir: str | None, grace_period: float) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 def status(state_dir: str | None, as_json: bool) -> None:
     """Show whether the daemon runs, what it watches, alerts sent and replays run."""
-    from sentineld.daemon.service import daemon_pid, read_status  # noqa: PLC0415
+    from sentineld.daemon.statedir import daemon_pid, read_status  # noqa: PLC0415
 
     sd = Path(state_dir) if state_dir else _safe_state_dir()
     pid = daemon_pid(sd) if sd.exists() else None

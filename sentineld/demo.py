@@ -48,7 +48,7 @@ def wait_for_notifications(log_path: Path, run_id: str, kinds: set[str], timeout
 def _existing_daemon(runs_dir: Path) -> Path | None:
     """State dir of a running daemon that watches ``runs_dir``, if any."""
     from sentineld.daemon.daemon_config import ConfigError, load_config  # noqa: PLC0415
-    from sentineld.daemon.service import daemon_pid, read_status  # noqa: PLC0415
+    from sentineld.daemon.statedir import daemon_pid, read_status  # noqa: PLC0415
 
     try:
         sd = load_config().state_dir

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sentineld.contracts.capture import SCHEMA_VERSION, write_h5_atomic
+from sentineld.contracts.capture import SCHEMA_VERSION
+from sentineld.contracts.h5write import write_h5_atomic
 from sentineld.contracts.ringformat import (
     SNAP_FILE,
     STEP_FILE,

@@ -47,10 +47,7 @@ from sentineld.daemon.policy import Active, Decision, active_from_dict, decide, 
 from sentineld.daemon.replay_runner import ReplayOutcome
 from sentineld.daemon.runwatch import RunWatch, load_progress, save_progress
 from sentineld.daemon.statedir import (
-    AlreadyRunning,
-    daemon_pid,
     destination_secret,
-    read_status,
     take_lock,
     write_json_atomic,
     write_pidfile,
@@ -58,7 +55,7 @@ from sentineld.daemon.statedir import (
 )
 from sentineld.daemon.watcher import DirtyRuns, start_observer
 
-__all__ = ["Daemon", "AlreadyRunning", "read_status", "daemon_pid"]
+__all__ = ["Daemon"]
 
 log = logging.getLogger("sentineld.daemon")
 

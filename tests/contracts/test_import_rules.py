@@ -22,7 +22,7 @@ RULES = {
     **{f"sentineld.contracts.{m}": ["sentineld.daemon", "sentineld.cli", "sentineld.agent",
                                     "sentineld.replay", "sentineld.signatures", "apprise", "watchdog"]
        for m in ("rundir", "records", "stream", "capture", "treecodec", "rng", "recipe", "metric_names",
-                 "nonfinite", "errors", "snapshot", "triggers", "ringformat", "verdict")},
+                 "nonfinite", "errors", "snapshot", "triggers", "ringformat", "verdict", "h5write")},
     # The signatures are pure: records in, verdicts out.
     "sentineld.signatures": ["sentineld.daemon", "sentineld.cli", "sentineld.agent", "sentineld.replay",
                              "torch", "apprise", "watchdog"],
@@ -34,7 +34,8 @@ RULES = {
 TORCH_FREE = ["sentineld.contracts.rundir", "sentineld.contracts.records", "sentineld.contracts.stream",
               "sentineld.contracts.capture", "sentineld.contracts.errors", "sentineld.contracts.nonfinite",
               "sentineld.contracts.metric_names", "sentineld.contracts.snapshot",
-              "sentineld.contracts.triggers", "sentineld.contracts.ringformat", "sentineld.contracts.verdict"]
+              "sentineld.contracts.triggers", "sentineld.contracts.ringformat", "sentineld.contracts.verdict",
+              "sentineld.contracts.h5write"]
 
 
 def _modules_after(module: str) -> list[str]:

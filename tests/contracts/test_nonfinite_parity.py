@@ -3,10 +3,10 @@ capture at exactly the step where the daemon's ``nonfinite`` signature (``evalua
 daemon runs over the stream) puts its verdict, for a non-finite learning rate, grad norm, loss
 and parameter.
 
-On d9bb298 the learning-rate case failed: the agent captured at the nan-lr step and
-``evaluate`` returned no verdict at all (the lr was restored one step later, so nothing else ever
-went non-finite). The parameter case failed the other way: the signature fired at the step whose
-sampled ``param_norm`` was nan, the agent only a step later, on the loss.
+On d9bb298 the learning-rate case failed: the agent captured at the nan-lr step, ``evaluate`` put
+its verdict where the loss went nan later (the nan lr is used by the next optimizer step) and
+never named the learning rate. The parameter case failed the other way: the signature fired at
+the step whose sampled ``param_norm`` was nan, the agent only later, on the loss.
 """
 
 from __future__ import annotations

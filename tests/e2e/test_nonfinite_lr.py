@@ -1,6 +1,7 @@
 """A learning rate that goes nan for one step, watched by the real agent and a real daemon: the
 daemon raises one ``nonfinite`` alert naming the learning rate at the step the agent's capture
-holds. On d9bb298 the capture was written and no alert came (the daemon's rule ignored lr)."""
+holds. On d9bb298 the capture was at step 5 but the alert came at step 7, naming only the loss (the
+daemon's rule ignored lr; the nan lr made the parameters nan in step 6's update)."""
 
 from __future__ import annotations
 

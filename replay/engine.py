@@ -25,6 +25,7 @@ from sentineld.contracts.capture import CaptureError, first_rank_capture, open_c
 from sentineld.contracts.errors import BadInput
 from sentineld.contracts.recipe import Recipe
 from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, read_run_meta
+from sentineld.contracts.triggers import NONFINITE
 from sentineld.contracts.verdict import Report
 
 from .localize import localize
@@ -57,7 +58,7 @@ def find_capture(run_dir: Path, step: int | None, rank: int | None = None) -> Pa
             raise ReplayError(f"{run_dir}: no capture of rank {rank}; ranks with captures: "
                               f"{sorted({c[0] for c in list_captures(run_dir)})}")
     if step is None:
-        incidents = [c for c in caps if c[2] == "nonfinite"] or caps
+        incidents = [c for c in caps if c[2] == NONFINITE] or caps
         first = [c for c in incidents if c[1] == incidents[0][1]]
         return first_rank_capture(first)
     spans = []

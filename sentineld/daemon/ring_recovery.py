@@ -130,7 +130,7 @@ def _assemble(h5py: Any, ring_dir: Path, path: Path, meta: dict[str, Any], rank:
     def fill(f: Any) -> None:
         f.attrs.update(
             schema_version=SCHEMA_VERSION, run_id=str(meta.get("run_id", path.parent.name)),
-            rank=rank, trigger="crash", first_step=last, snapshot_step=first, created_s=time.time(),
+            rank=rank, trigger=CRASH, first_step=last, snapshot_step=first, created_s=time.time(),
             message=(f"process {meta.get('pid', '?')} died without closing the agent (SIGKILL, "
                      f"the OOM killer?); assembled from its on-disk ring by {who}"),
             torch_version=str(meta.get("torch_version", "")))

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sentineld.contracts.rundir import make_private_dir, parse_capture_name
+from sentineld.contracts.triggers import CRASH
 from sentineld.daemon.daemon_config import DaemonConfig
 from sentineld.daemon.delivery import SecretFilter, destinations, url_secrets
 from sentineld.daemon.loops import DeliveryThread, RecoverThread, ReplayThread, Stats, guard
@@ -271,7 +272,7 @@ class Daemon:
             for cap in caps:
                 rw.captures_seen.add(cap.name)
                 parsed = parse_capture_name(cap.name)
-                if parsed is not None and parsed[2] == "crash":
+                if parsed is not None and parsed[2] == CRASH:
                     self.notifier.crash_alert(rw, cap, parsed[0], parsed[1])
             changed |= bool(new or caps)
             if not more:

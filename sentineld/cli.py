@@ -302,7 +302,11 @@ def _replay(run: str, step: int | None, as_json: bool, recipe: str | None, captu
     from .capture import CaptureError  # noqa: PLC0415
     from .rundir import RunDirError  # noqa: PLC0415
 
+    from .trust import UntrustedError, check_import_path  # noqa: PLC0415
+
     try:
+        if not trust:  # a module another user could add to this path would run before any recipe check
+            check_import_path()
         run_dir = _run_dir(run, runs_dir)
         if capture is not None:
             from .capture import open_capture  # noqa: PLC0415
@@ -313,7 +317,7 @@ def _replay(run: str, step: int | None, as_json: bool, recipe: str | None, captu
 
         with _stdout_to_stderr():  # the user's code may print: stdout carries only the verdict
             report = replay_run(run_dir, step, recipe=recipe, trust=trust, capture=capture, rank=rank)
-    except (RunDirError, CaptureError) as exc:
+    except (RunDirError, CaptureError, UntrustedError) as exc:
         _fail(str(exc))
     except Exception as exc:  # noqa: BLE001
         # Matched by name: the replay package (and torch) is imported only after the cheap checks.

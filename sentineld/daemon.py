@@ -194,7 +194,7 @@ class Daemon:
         m["failures"] = Counter("sentineld_alert_delivery_failures", "Failed delivery attempts", registry=reg)
         m["pending"] = Gauge("sentineld_alerts_pending", "Notifications not yet delivered", registry=reg)
         m["replays"] = Counter("sentineld_replays", "Replays finished", ["result"], registry=reg)
-        for result in ("localized", "not_localized", "not_reproduced", "failed", "timeout"):
+        for result in ("localized", "not_localized", "not_reproduced", "failed", "timeout", "refused"):
             m["replays"].labels(result)  # export 0 from the start so increase() sees the first one
         port = 0 if self.cfg.metrics_port == -1 else self.cfg.metrics_port
         try:

@@ -90,6 +90,8 @@ def _factory(meta: RunMeta, recipe_spec: str | None, trust: bool, named_by: list
 def _build(factory: Callable[..., Any], spec: str, args: dict[str, Any]) -> Recipe:
     try:
         recipe = factory(**args)
+    except UntrustedError:
+        raise  # a module the recipe imports is not safely ours: say so, not "the recipe raised"
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code, sys.exit() included
         raise ReplayError(f"recipe {spec} raised while building the model: "
                           f"{type(exc).__name__}: {exc}") from None

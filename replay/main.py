@@ -20,6 +20,7 @@ import click
 
 from sentineld.contracts.errors import EXIT_NOT_REPRODUCED, EXIT_OK, SentineldError
 from sentineld.contracts.rundir import default_runs_dir, resolve_run
+from sentineld.contracts.trust import check_import_path
 
 __all__ = ["replay_options", "run_replay", "command", "main"]
 
@@ -61,6 +62,8 @@ def run_replay(run: str, step: int | None, as_json: bool, recipe: str | None, ca
     """
     logging.basicConfig(level=logging.WARNING, format="sentineld: %(message)s", stream=sys.stderr)
     try:
+        if not trust:  # a module another user could add to this path would run before any recipe check
+            check_import_path()
         run_dir = resolve_run(run, runs_dir if runs_dir is not None else default_runs_dir())
         if capture is not None:
             from sentineld.contracts.capture import open_capture  # noqa: PLC0415

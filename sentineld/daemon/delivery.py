@@ -39,6 +39,7 @@ import hmac
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,11 +183,23 @@ def _with_id(url: str, nid: str, resend: bool) -> str:
     return url + ("&" if "?" in url else "?") + extra
 
 
+def _with_timeouts(url: str, timeout_s: float) -> str:
+    """``url`` with apprise's socket timeouts (``rto`` read, ``cto`` connect) set to ``timeout_s``
+    unless the URL sets them: apprise's own 4 s read timeout otherwise fails a slow receiver that
+    then gets the same message again and again."""
+    args = {k for k, _v in parse_qsl(urlsplit(url).query, keep_blank_values=True)}
+    extra = [f"{k}={timeout_s:g}" for k in ("rto", "cto") if k not in args]
+    if not extra or timeout_s <= 0:
+        return url
+    return url + ("&" if "?" in url else "?") + "&".join(extra)
+
+
 def _footer(note: Notification, resend: bool) -> str:
     text = f"\n\nsentineld notification id: {note.id}\n"
     if resend:
-        text += ("(sent again: the daemon stopped while sending this notification before and "
-                 "cannot know whether it arrived; drop it if you already have this id)\n")
+        text += ("(sent again: an earlier send of this notification was cut short (the daemon "
+                 "stopped, or the receiver did not answer in time) and may have arrived; drop it "
+                 "if you already have this id)\n")
     return text
 
 
@@ -194,7 +207,7 @@ def _apprise_send(url: str, note: Notification, timeout_s: float, resend: bool =
     import apprise  # noqa: PLC0415
 
     a = apprise.Apprise()
-    if not a.add(_with_id(url, note.id, resend)) and not a.add(url):
+    if not a.add(_with_timeouts(_with_id(url, note.id, resend), timeout_s)) and not a.add(url):
         return False, "apprise rejected the URL"
     ntype = {"critical": apprise.NotifyType.FAILURE, "warning": apprise.NotifyType.WARNING}.get(
         note.severity, apprise.NotifyType.INFO)
@@ -236,13 +249,64 @@ def log_has(path: Path, nid: str) -> bool:
 @dataclass
 class DeliveryResult:
     """What one :func:`deliver_due` pass did: notifications completed, failed attempts, and
-    in-doubt sends repeated after a crash."""
+    in-doubt sends repeated after a crash or a timed-out send."""
 
     delivered: int = 0
     failed: int = 0
     resent: int = 0
     #: notifications completed per signature (``replay``/``replay_failed`` for verdicts)
     by_signature: dict[str, int] = field(default_factory=dict)
+
+
+def _send_one(note: Notification, key: str, dest: Destination | None, log_path: Path, *,
+              lock: threading.Lock, outbox: Outbox, res: DeliveryResult, clock: Callable[[], float],
+              send: Callable[..., tuple[bool, str]], timeout_s: float, scrub: Callable[[str], str]) -> None:
+    """One notification to one destination, with the ``sending`` protocol of the module docstring."""
+    with lock:
+        state = note.targets[key]
+        in_doubt = state == SENDING
+        if in_doubt and key == LOG_TARGET and log_has(log_path, note.id):
+            note.targets[key] = DELIVERED
+            outbox.save(note)
+            return
+        note.targets[key] = SENDING
+        if in_doubt and key != LOG_TARGET:
+            note.resent[key] = note.resent.get(key, 0) + 1
+            res.resent += 1
+            log.warning("resending %s to %s: an earlier send may have arrived (the daemon stopped "
+                        "during it, or it timed out); the copy is marked as a possible repeat",
+                        note.id, dest.shown if dest else key)
+        outbox.save(note)  # fsynced before the send starts
+    doubt_after = False
+    if key == LOG_TARGET:
+        try:
+            append_log(log_path, note, clock())
+            ok, err = True, ""
+        except OSError as exc:
+            ok, err = False, f"notifications log: {exc}"
+    else:
+        assert dest is not None
+        t0 = time.monotonic()
+        try:
+            ok, err = send(dest.url, note, timeout_s, in_doubt)
+        except Exception as exc:  # noqa: BLE001 - a plugin bug must not kill the daemon
+            ok, err = False, f"{type(exc).__name__}: {exc}"
+        # A send that failed only after waiting out the read timeout reached the receiver, which
+        # may have taken it: the retry is a possible repeat and is marked as one.
+        doubt_after = not ok and time.monotonic() - t0 >= 0.9 * timeout_s
+        err = scrub(err)
+        if not ok:
+            log.warning("delivery of %s to %s failed (will retry): %s", note.id, dest.shown, err)
+    with lock:
+        # An in-doubt failure stays ``sending``: the next attempt is then marked as a repeat.
+        note.targets[key] = DELIVERED if ok else (SENDING if doubt_after else PENDING)
+        if not ok:
+            note.last_error = err
+            res.failed += 1
+        # Not fsynced: this write ends the in-doubt window, so it must be quick; it survives
+        # a SIGKILL as is, and after a power loss the fsynced ``sending`` mark is what is
+        # found, which gives a marked repeat, never a loss.
+        outbox.save(note, durable=False)
 
 
 def deliver_due(outbox: Outbox, dests: Sequence[Destination], log_path: Path, *, initial_s: float,
@@ -252,57 +316,39 @@ def deliver_due(outbox: Outbox, dests: Sequence[Destination], log_path: Path, *,
                 stop: Callable[[], bool] = lambda: False) -> DeliveryResult:
     """Try every due notification once (see the module docstring for the crash protocol).
 
-    A failing destination gets ``next_attempt_s`` = now + backoff (``initial_s`` doubling per
-    attempt up to ``max_s``); the others are not sent again.
+    Each destination is served by its own thread, in notification order: a slow or hanging
+    destination (bounded by ``timeout_s`` per send) delays no other. A failing destination gets
+    ``next_attempt_s`` = now + backoff (``initial_s`` doubling per attempt up to ``max_s``); the
+    others are not sent again.
     """
     res = DeliveryResult()
     by_key = {d.key: d for d in dests}
-    for note in outbox.due(clock()):
-        if stop():
-            break
+    lock = threading.Lock()
+    notes = outbox.due(clock())
+    queues: dict[str, list[Notification]] = {}
+    for note in notes:
         for key, state in sorted(note.targets.items()):
             if state in (DELIVERED, DROPPED):
                 continue
-            dest = by_key.get(key)
-            if key != LOG_TARGET and dest is None:
+            if key != LOG_TARGET and key not in by_key:
                 note.targets[key] = DROPPED  # destination removed from the config since
                 outbox.save(note)
                 continue
-            in_doubt = state == SENDING
-            if in_doubt and key == LOG_TARGET and log_has(log_path, note.id):
-                note.targets[key] = DELIVERED
-                outbox.save(note)
-                continue
-            note.targets[key] = SENDING
-            if in_doubt and key != LOG_TARGET:
-                note.resent[key] = note.resent.get(key, 0) + 1
-                res.resent += 1
-                log.warning("resending %s to %s: the daemon stopped during its send before (the "
-                            "copy is marked as a possible repeat)", note.id, dest.shown if dest else key)
-            outbox.save(note)  # fsynced before the send starts
-            if key == LOG_TARGET:
-                try:
-                    append_log(log_path, note, clock())
-                    ok, err = True, ""
-                except OSError as exc:
-                    ok, err = False, f"notifications log: {exc}"
-            else:
-                assert dest is not None
-                try:
-                    ok, err = send(dest.url, note, timeout_s, in_doubt)
-                except Exception as exc:  # noqa: BLE001 - a plugin bug must not kill the daemon
-                    ok, err = False, f"{type(exc).__name__}: {exc}"
-                err = scrub(err)
-                if not ok:
-                    log.warning("delivery of %s to %s failed (will retry): %s", note.id, dest.shown, err)
-            note.targets[key] = DELIVERED if ok else PENDING
-            if not ok:
-                note.last_error = err
-                res.failed += 1
-            # Not fsynced: this write ends the in-doubt window, so it must be quick; it survives
-            # a SIGKILL as is, and after a power loss the fsynced ``sending`` mark is what is
-            # found, which gives a marked repeat, never a loss.
-            outbox.save(note, durable=False)
+            queues.setdefault(key, []).append(note)
+
+    def serve(key: str) -> None:
+        for note in queues[key]:
+            if stop():
+                return
+            _send_one(note, key, by_key.get(key), log_path, lock=lock, outbox=outbox, res=res, clock=clock,
+                      send=send, timeout_s=timeout_s, scrub=scrub)
+
+    threads = [threading.Thread(target=serve, args=(k,), name=f"sentineld-send-{k}", daemon=True) for k in queues]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for note in notes:
         if note.pending:
             note.attempts += 1
             note.next_attempt_s = clock() + min(max_s, initial_s * 2 ** (note.attempts - 1))

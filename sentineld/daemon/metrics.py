@@ -12,7 +12,7 @@ __all__ = ["REPLAY_RESULTS", "start_metrics"]
 log = logging.getLogger("sentineld.daemon")
 
 #: Every ``result`` label of the replays counter (exported at 0 from the start).
-REPLAY_RESULTS = ("localized", "not_localized", "not_reproduced", "failed", "timeout")
+REPLAY_RESULTS = ("localized", "not_localized", "not_reproduced", "failed", "timeout", "refused")
 
 
 def start_metrics(port: int, addr: str) -> tuple[Any, dict[str, Any], int | None]:

@@ -29,9 +29,57 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["Notification", "Outbox", "notification_id", "PENDING", "SENDING", "DELIVERED", "DROPPED"]
+__all__ = ["Notification", "Outbox", "notification_id", "PENDING", "SENDING", "DELIVERED", "DROPPED",
+           "bound_text", "bound_data", "MAX_TITLE_CHARS", "MAX_BODY_CHARS", "MAX_DATA_BYTES"]
 
 PENDING, SENDING, DELIVERED, DROPPED = "pending", "sending", "delivered", "dropped"
+
+#: Bounds of one notification. A page is read by a person: 16k characters is several screens, and
+#: a chat message (Slack: 40k) or a mail with more is no more useful. A 20 MB exception message
+#: once made a 20 MB webhook post, a 40 MB outbox record and an email retried forever.
+MAX_TITLE_CHARS = 300
+MAX_BODY_CHARS = 16_000
+MAX_DATA_BYTES = 64 << 10
+
+
+def bound_text(text: str, limit: int) -> str:
+    """``text`` if at most ``limit`` characters, else its head with a line saying what was cut."""
+    if len(text) <= limit:
+        return text
+    keep = max(0, limit - 80)
+    return f"{text[:keep]}\n[cut: {len(text) - keep} more characters of {len(text)}]"
+
+
+def _shrink(obj: Any, depth: int = 0) -> Any:
+    if isinstance(obj, str):
+        return bound_text(obj, 2000)
+    if depth > 8:
+        return "[cut: nested too deep]"
+    if isinstance(obj, dict):
+        items = list(obj.items())
+        out = {str(k)[:200]: _shrink(v, depth + 1) for k, v in items[:200]}
+        if len(items) > 200:
+            out["_cut"] = f"{len(items) - 200} more keys"
+        return out
+    if isinstance(obj, (list, tuple)):
+        out_l = [_shrink(v, depth + 1) for v in obj[:200]]
+        if len(obj) > 200:
+            out_l.append(f"[cut: {len(obj) - 200} more items]")
+        return out_l
+    return obj
+
+
+def bound_data(data: dict[str, Any], limit: int = MAX_DATA_BYTES) -> dict[str, Any]:
+    """``data`` if its JSON is at most ``limit`` bytes, else long strings and lists cut (marked)."""
+    try:
+        if len(json.dumps(data, allow_nan=True)) <= limit:
+            return data
+        small = _shrink(data)
+        if len(json.dumps(small, allow_nan=True)) <= limit:
+            return {**small, "_cut": "long values were cut to bound the notification"}
+    except (TypeError, ValueError, RecursionError):
+        pass
+    return {"_cut": f"details over {limit} bytes were dropped", "keys": [str(k)[:100] for k in list(data)[:50]]}
 
 
 def notification_id(*parts: object) -> str:
@@ -74,6 +122,11 @@ class Notification:
     created_s: float = 0.0
     delivered_s: float | None = None
     last_error: str = ""
+
+    def __post_init__(self) -> None:
+        self.title = bound_text(str(self.title), MAX_TITLE_CHARS)
+        self.body = bound_text(str(self.body), MAX_BODY_CHARS)
+        self.data = bound_data(self.data if isinstance(self.data, dict) else {"value": self.data})
 
     @property
     def pending(self) -> bool:

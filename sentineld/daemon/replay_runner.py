@@ -6,6 +6,12 @@ it therefore runs in its own process group under ``RLIMIT_AS``, is killed (the w
 the timeout, writes its output to files of which only a bounded head/tail is read, dies with the
 daemon (``PR_SET_PDEATHSIG`` on Linux, so a SIGKILLed daemon leaves no orphan replay), and gets
 the daemon's environment without the notification settings (URLs may hold secrets).
+
+Trust (docs/reliability.md): nothing runs unless the run dir, ``run.json``, the capture and the
+interpreter ``run.json`` names are ours (:mod:`sentineld.contracts.trust`); the interpreter starts isolated
+(``-I``: neither the working directory nor ``$PYTHONPATH`` on ``sys.path``, so a ``click.py``
+planted there cannot run before any check); and only output shaped like a replay verdict of this
+run is taken as one.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from sentineld.contracts.rundir import RunMeta
+from sentineld.contracts.trust import UntrustedError, check_interpreter, untrusted_reason
 
 __all__ = ["ReplayOutcome", "run_replay_subprocess", "SCRUBBED_ENV"]
 
@@ -39,7 +46,8 @@ class ReplayOutcome:
     """What a replay subprocess gave.
 
     Attributes:
-        result: ``localized`` | ``not_localized`` | ``not_reproduced`` | ``failed`` | ``timeout``.
+        result: ``localized`` | ``not_localized`` | ``not_reproduced`` | ``failed`` | ``timeout`` |
+            ``refused`` (a file that names the code to run is not trusted: nothing was executed).
         report: the replay's JSON report (None unless it printed one).
         reason: why it failed (stderr tail, timeout, memory limit) for ``failed``/``timeout``.
         elapsed_s: wall seconds.
@@ -82,12 +90,41 @@ def _memory_hint(text: str) -> bool:
                                    "std::bad_alloc", "DefaultCPUAllocator"))
 
 
+#: The replay verdict's phases (replay/report.py); anything else is not a verdict.
+VERDICT_PHASES = ("data", "forward", "backward", "optimizer", "none")
+
+
+def refusal(meta: RunMeta, run_dir: Path, capture: Path) -> tuple[str, str]:
+    """Whether the daemon may start a replay of this run: ``(python, "")`` or ``("", reason)``.
+
+    ``python`` is the interpreter to use (``meta.python`` if it exists, else this daemon's own).
+    Pure apart from ``stat`` calls.
+    """
+    reason = untrusted_reason([run_dir, run_dir / "run.json", capture])
+    if reason:
+        return "", f"refused: the run's files are not trusted ({reason})"
+    python = meta.python if meta.python and Path(meta.python).exists() else sys.executable
+    try:
+        check_interpreter(python)
+    except (UntrustedError, OSError) as exc:
+        return "", f"refused: the interpreter run.json names is not trusted ({exc})"
+    return python, ""
+
+
+def is_verdict(report: Any, run_id: str) -> bool:
+    """True when ``report`` has the shape of a replay verdict of run ``run_id`` (replay/report.py)."""
+    return (isinstance(report, dict) and isinstance(report.get("schema_version"), int)
+            and report.get("phase") in VERDICT_PHASES and isinstance(report.get("reproduced"), bool)
+            and report.get("run_id") == run_id and isinstance(report.get("step"), int))
+
+
 def run_replay_subprocess(meta: RunMeta, run_dir: Path, capture: Path, *, timeout_s: float,
                           memory_bytes: int, scratch_dir: Path | None = None) -> ReplayOutcome:
-    """Run ``python -m sentineld.replay RUN --capture CAP --json`` and classify the outcome.
+    """Run ``python -I -m sentineld.replay RUN --capture CAP --json`` and classify the outcome.
 
     The interpreter is the run's own (``meta.python``) when it exists on this host, else this
-    daemon's; the working directory is the run's (where its recipe module lives).
+    daemon's; the working directory is the run's (where its recipe module lives). Nothing is
+    started when a file naming code is untrusted (result ``refused``, see :func:`refusal`).
 
     Args:
         timeout_s: seconds before the replay's process group is killed (result ``timeout``).
@@ -95,11 +132,13 @@ def run_replay_subprocess(meta: RunMeta, run_dir: Path, capture: Path, *, timeou
             fails with a reason naming the limit.
         scratch_dir: where its output files go (deleted after); default the system temp dir.
     """
-    python = meta.python if meta.python and Path(meta.python).exists() else sys.executable
+    python, why_not = refusal(meta, run_dir, capture)
+    if why_not:
+        return ReplayOutcome("refused", None, why_not, 0.0, None)
     cwd = meta.cwd if meta.cwd and Path(meta.cwd).is_dir() else str(run_dir)
-    # `python -m sentineld.replay` (same options and exit codes as `sentineld replay`) imports
-    # torch only once the capture opened: a damaged capture is reported in a fraction of a second.
-    cmd = [python, "-m", "sentineld.replay", str(run_dir), "--capture", str(capture), "--json"]
+    # -I: the working directory (another user may write there) is not on sys.path, nor is
+    # $PYTHONPATH; the replay adds the working directory itself, behind its import guard.
+    cmd = [python, "-I", "-m", "sentineld.replay", str(run_dir), "--capture", str(capture), "--json"]
     env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
     env["PYTHONUNBUFFERED"] = "1"
     t0 = time.monotonic()
@@ -125,15 +164,17 @@ def run_replay_subprocess(meta: RunMeta, run_dir: Path, capture: Path, *, timeou
         out_f.seek(0)
         out = out_f.read(MAX_STDOUT_BYTES)
         err_text = _tail(err_f)
-    report = None
+    report, parsed = None, None
     try:
         parsed = json.loads(out.decode(errors="replace"))
-        report = parsed if isinstance(parsed, dict) else None
+        report = parsed if is_verdict(parsed, meta.run_id) else None
     except (ValueError, RecursionError):
         pass
     tail = err_text.strip().splitlines()[-5:]
     if report is None:
         why = " | ".join(tail) or f"exit code {proc.returncode}"
+        if parsed is not None:  # never deliver what merely parses as JSON as a verdict
+            why = f"its output is not a replay verdict of run {meta.run_id}; {why}"
         limit = f"{memory_bytes / 2**30:.3g} GiB address space" if memory_bytes > 0 else "none"
         if memory_bytes > 0 and _memory_hint(err_text):
             why = f"exceeded the replay memory limit ({limit}; replay_memory_bytes): {why}"

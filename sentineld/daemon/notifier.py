@@ -1,0 +1,206 @@
+"""What the daemon says, and where it goes: alerts, recoveries, crash notices and replay verdicts
+become outbox notifications (delivered by the delivery thread) and Alertmanager alerts.
+
+Alertmanager sees one incident per run (issue 16): the signature alert is the page; it is
+re-posted when more ranks join, carries why no replay comes (``replay`` annotation), and the
+replay's verdict and a crash are their own alerts in the incident's group, resolved with it
+(:mod:`sentineld.daemon.am_incident`).
+
+Texts come from :mod:`sentineld.daemon.messages`; notification ids are deterministic
+(:func:`~sentineld.daemon.outbox.notification_id`), so a repeated enqueue after a restart is a
+no-op: once per incident.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from sentineld.contracts.capture import CaptureError, open_capture
+from sentineld.contracts.rundir import parse_capture_name
+from sentineld.contracts.verdict import notification_text
+from sentineld.daemon.am_incident import (
+    EXTRA_SIGNATURES,
+    NO_RECIPE,
+    crash_alert,
+    incident_annotations,
+    incident_severity,
+    verdict_alert,
+)
+from sentineld.daemon.delivery import LOG_TARGET, Destination
+from sentineld.daemon.messages import alert_text, recovery_text, replay_failed_text
+from sentineld.daemon.outbox import Notification, Outbox, notification_id
+from sentineld.daemon.policy import Active
+from sentineld.daemon.replay_runner import ReplayOutcome
+from sentineld.daemon.runwatch import RunWatch
+
+__all__ = ["Notifier"]
+
+log = logging.getLogger("sentineld.daemon")
+
+
+class Notifier:
+    """Turns the daemon's decisions into notifications.
+
+    Args:
+        outbox: where notifications wait for delivery.
+        dests: the configured destinations (each notification targets all of them and the log).
+        clock: wall clock, seconds.
+        alertmanager: an :class:`~sentineld.daemon.alertmanager.ActiveAlerts`, or None when no
+            Alertmanager is configured.
+        replay_enabled: the daemon replays captures (``replay`` in its config); a run without a
+            recipe then says in its alerts that no replay will come.
+    """
+
+    def __init__(self, outbox: Outbox, dests: Sequence[Destination], clock: Callable[[], float],
+                 alertmanager: Any = None, *, replay_enabled: bool = True) -> None:
+        self.replay_enabled = replay_enabled
+        self.outbox = outbox
+        self.dests = list(dests)
+        self.clock = clock
+        self.am = alertmanager
+        self.am_lock = threading.Lock()
+        self.delivery_wake = threading.Event()
+
+    def enqueue(self, note: Notification) -> None:
+        """Put ``note`` in the outbox for every destination and wake the delivery thread."""
+        note.targets = {LOG_TARGET: "pending", **{d.key: "pending" for d in self.dests}}
+        note.created_s = self.clock()
+        if self.outbox.add(note):
+            self.delivery_wake.set()
+
+    def alert(self, rw: RunWatch, a: Active) -> None:
+        """Notify that ``a`` fires in ``rw`` (outbox and Alertmanager)."""
+        host = rw.meta.host if rw.meta else ""
+        title, body = alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step, a.message,
+                                 a.numbers, a.fix, a.module, host)
+        nid = notification_id(rw.run_id, a.signature, a.module or "", a.step)
+        self.enqueue(Notification(id=nid, kind="alert", title=title, body=body, severity=a.severity,
+                                  run=rw.run_id, signature=a.signature, step=a.step,
+                                  data={"ranks": a.ranks, "numbers": a.numbers, "module": a.module}))
+        self.am_fire(rw, a, title, body)
+        log.info("run %s: %s %s at step %d (ranks %s)", rw.run_id, a.severity, a.signature, a.step, a.ranks)
+
+    def am_fire_quietly(self, rw: RunWatch, a: Active) -> None:
+        """Track ``a`` in Alertmanager only (a rate-limited alert, or one restored at start)."""
+        self.am_fire(rw, a, *alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step,
+                                        a.message, a.numbers, a.fix, a.module))
+
+    def crash_alert(self, rw: RunWatch, cap: Path, rank: int, step: int) -> None:
+        """A training process died (exception, SIGTERM, SIGKILL with the disk ring): say so, with
+        the exception, and how to replay the last steps it recorded."""
+        try:
+            with open_capture(cap) as c:
+                reason = c.message or "no exception recorded"
+        except CaptureError as exc:
+            reason = f"(capture unreadable: {exc})"
+        title = f"[sentineld] CRITICAL run {rw.run_id} crashed (rank {rank}) after step {step}"
+        body = (f"The training process of run {rw.run_id} (rank {rank}) ended abnormally after step "
+                f"{step}: {reason}\nIts last steps are in {cap.name}; the step that raised was never "
+                f"completed, so replay the recorded ones: sentineld replay {rw.run_dir} --step {step}\n")
+        self.enqueue(Notification(id=notification_id(rw.run_id, "crashed", cap.name), kind="alert",
+                                  title=title, body=body, severity="critical", run=rw.run_id,
+                                  signature="crashed", step=step, data={"rank": rank, "reason": reason}))
+        self.am_extra(rw, "crashed", title, body, step, rank)
+        log.info("run %s: crashed after step %d (rank %d): %s", rw.run_id, step, rank, reason)
+
+    def recovery(self, rw: RunWatch, a: Active, step: int) -> None:
+        """Notify that ``a`` no longer fires as of ``step``; resolve it in Alertmanager."""
+        title, body = recovery_text(rw.run_id, a.signature, step, a.module)
+        nid = notification_id(rw.run_id, a.signature, a.module or "", a.step, "recovered")
+        self.enqueue(Notification(id=nid, kind="recovery", title=title, body=body, severity="info",
+                                  run=rw.run_id, signature=a.signature, step=step))
+        self.am_resolve(rw, a)
+
+    def verdict(self, rw: RunWatch, cap: Path, outcome: ReplayOutcome) -> None:
+        """Notify the replay's verdict on ``cap`` (or why it gave none); a ``no_recipe`` outcome is
+        no news: the incident's alert said so from its first notification."""
+        nid = notification_id(rw.run_id, "replay", cap.name)
+        if outcome.result == NO_RECIPE:
+            return
+        if outcome.report is not None:
+            title, body = notification_text(outcome.report)
+            sev = "critical" if outcome.report.get("phase") not in (None, "none") else "warning"
+            note = Notification(id=nid, kind="verdict", title=title, body=body, severity=sev,
+                                run=rw.run_id, signature="replay", step=outcome.report.get("step"),
+                                data=outcome.report)
+        else:
+            title, body = replay_failed_text(rw.run_id, cap.name, outcome.reason)
+            note = Notification(id=nid, kind="verdict", title=title, body=body, severity="warning",
+                                run=rw.run_id, signature="replay_failed",
+                                data={"result": outcome.result, "reason": outcome.reason})
+        self.enqueue(note)
+        parsed = parse_capture_name(cap.name)
+        self.am_extra(rw, "replay", note.title, note.body, note.step, parsed[0] if parsed else None)
+
+    def am_resolve(self, rw: RunWatch, a: Active) -> None:
+        """Resolve ``a`` in Alertmanager (no-op without one)."""
+        if self.am is not None:
+            from sentineld.daemon.alertmanager import alert_labels  # noqa: PLC0415
+
+            with self.am_lock:
+                self.am.resolve(alert_labels(a.signature, rw.run_id, a.severity, a.module))
+
+    def am_fire(self, rw: RunWatch, a: Active, title: str, body: str) -> None:
+        """Fire ``a`` in Alertmanager (no-op without one)."""
+        if self.am is None:
+            return
+        from sentineld.daemon.alertmanager import to_am_alert  # noqa: PLC0415
+
+        with self.am_lock:
+            self.am.fire(to_am_alert(signature=a.signature, run=rw.run_id, severity=a.severity,
+                                     summary=title, description=body, step=a.step, ranks=a.ranks,
+                                     host=rw.meta.host if rw.meta else "", starts_at=self.clock(),
+                                     module=a.module, extra_annotations=self.am_annotations(rw)))
+
+    def am_annotations(self, rw: RunWatch) -> dict[str, str]:
+        """Annotations every Alertmanager alert of ``rw`` carries (why no replay comes)."""
+        recipe = rw.meta.recipe if rw.meta else None
+        return incident_annotations(recipe, self.replay_enabled and rw.meta is not None, rw.run_id)
+
+    def am_refresh(self, rw: RunWatch, a: Active) -> None:
+        """Re-post a firing alert whose ranks grew, so the page lists every rank."""
+        host = rw.meta.host if rw.meta else ""
+        self.am_fire(rw, a, *alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step, a.message,
+                                        a.numbers, a.fix, a.module, host))
+
+    def am_extra(self, rw: RunWatch, kind: str, title: str, body: str, step: int | None,
+                 rank: int | None) -> None:
+        """Post the replay verdict (``kind="replay"``) or a crash (``"crashed"``) as an alert in
+        the incident's group; a new one replaces the run's last of that kind (whose severity
+        may differ). No-op without Alertmanager."""
+        if self.am is None:
+            return
+        make = verdict_alert if kind == "replay" else crash_alert
+        alert = make(run=rw.run_id, severity=incident_severity(rw.active.values()), title=title,
+                     body=body, step=step, rank=rank, host=rw.meta.host if rw.meta else "",
+                     starts_at=self.clock())
+        with self.am_lock:
+            for labels in self.am.firing():
+                if labels.get("run") == rw.run_id and labels.get("signature") == kind:
+                    self.am.resolve(labels)
+            self.am.fire(alert)
+        self.delivery_wake.set()
+
+    def am_resolve_extras(self, rw: RunWatch) -> None:
+        """The run recovered: its verdict and crash alerts resolve with the incident."""
+        if self.am is None:
+            return
+        with self.am_lock:
+            for labels in self.am.firing():
+                if labels.get("run") == rw.run_id and labels.get("signature") in EXTRA_SIGNATURES:
+                    self.am.resolve(labels)
+
+    def am_flush(self, url: str) -> None:
+        """Send what Alertmanager should hear now (retried on the next call when it fails)."""
+        if self.am is None or not url:
+            return
+        from sentineld.daemon.alertmanager import flush  # noqa: PLC0415
+
+        try:
+            with self.am_lock:
+                flush(self.am, url)
+        except Exception as exc:  # noqa: BLE001 - retried on the next tick
+            log.warning("alertmanager forward failed (retrying): %s", exc)

@@ -1,0 +1,55 @@
+"""What the daemon tells Alertmanager about an incident besides the signature alert
+(sentineld.daemon.am_incident): verdict and crash alerts in the run's group, and a run without a
+recipe that d9bb298 paged a second time as ``SentineldReplayFailed``."""
+
+from __future__ import annotations
+
+from sentineld.daemon.am_incident import (
+    NO_RECIPE,
+    crash_alert,
+    incident_annotations,
+    incident_severity,
+    no_recipe_outcome,
+    verdict_alert,
+)
+from sentineld.daemon.replay_runner import ReplayOutcome
+
+# The stderr tail the replay subprocess leaves for a run.json without a recipe (replay/engine.py).
+NO_RECIPE_REASON = ("sentineld: run r1 recorded no recipe; pass --recipe module:function (a function "
+                    "returning sentineld.contracts.recipe.Recipe)")
+
+
+def test_failed_for_want_of_a_recipe_is_no_recipe():
+    out = no_recipe_outcome("r1", None, ReplayOutcome("failed", None, NO_RECIPE_REASON, 0.4, 2))
+    assert out.result == NO_RECIPE
+    assert "sentineld replay r1 --recipe module:function" in out.reason
+    assert (out.elapsed_s, out.exit_code) == (0.4, 2)
+
+
+def test_other_outcomes_keep_their_result():
+    damaged = ReplayOutcome("failed", None, "capture unreadable: truncated file", 0.1, 2)
+    assert no_recipe_outcome("r1", None, damaged) is damaged  # a damaged capture still fails
+    named = ReplayOutcome("failed", None, "cannot import recipe 'm:f'", 0.1, 2)
+    assert no_recipe_outcome("r1", "m:f", named) is named  # a broken recipe is a real failure
+    for result in ("refused", "timeout", "localized"):
+        o = ReplayOutcome(result, None, "recipe", 0.1, None)
+        assert no_recipe_outcome("r1", None, o) is o
+
+
+def test_incident_annotations_only_for_a_replayable_run_without_recipe():
+    assert incident_annotations(None, True, "r1")["replay"].startswith("not run: run r1 gave no recipe")
+    assert incident_annotations("m:f", True, "r1") == {}
+    assert incident_annotations(None, False, "r1") == {}  # --no-replay: no replay was promised
+
+
+def test_extra_alerts_share_the_run_label_and_the_incident_severity():
+    sev = incident_severity([{"severity": "warning"}, {"severity": "critical"}])
+    assert sev == "critical" and incident_severity([]) == "critical"
+    assert incident_severity([{"severity": "warning"}]) == "warning"
+    v = verdict_alert(run="r1", severity="warning", title="t", body="b", step=7, rank=1, host="h",
+                      starts_at=0.0)
+    c = crash_alert(run="r1", severity="critical", title="t", body="b", step=7, rank=None, host="h",
+                    starts_at=0.0)
+    assert v["labels"]["alertname"] == "SentineldReplay" and v["labels"]["run"] == "r1"
+    assert v["labels"]["severity"] == "warning" and v["annotations"]["rank"] == "1"
+    assert c["labels"]["alertname"] == "SentineldCrashed" and "rank" not in c["annotations"]

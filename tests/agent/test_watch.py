@@ -4,6 +4,7 @@ perturbs or breaks training, and detaches cleanly."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -163,6 +164,8 @@ def test_metrics_endpoint_serves_the_last_step(tmp_path):
     assert float(values["sentineld_step"]) == 6
     assert float(values["sentineld_learning_rate"]) == 0.01
     assert 'rank="0"' in body
+    # host = the training host's name (d9bb298 had none: Prometheus filled in the scrape address)
+    assert f'host="{socket.gethostname()}"' in body
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -246,4 +249,5 @@ def test_sampled_steps_carry_per_layer_stats_and_export_them(tmp_path):
     assert sampled == [0, 5, 10]
     stats = recs[5]["layers"]
     assert stats["0"]["grad_norm"] > 0 and 0 <= stats["1"]["dead_fraction"] <= 1
-    assert 'sentineld_layer_grad_norm{module="0",rank="0",run="layers"}' in body
+    host = socket.gethostname()
+    assert f'sentineld_layer_grad_norm{{host="{host}",module="0",rank="0",run="layers"}}' in body

@@ -376,5 +376,5 @@ def test_replays_stat_is_the_integer_count(scenario: Scenario) -> None:
     got = scenario.query(_fill(_panel_expr("Replays"), {"__range": rng}), at)
     values = {x["metric"]["result"]: float(x["value"][1]) for x in got}
     assert values == {"localized": 2.0, "no_recipe": 1.0, "failed": 0.0, "timeout": 0.0,
-                      "not_localized": 0.0, "not_reproduced": 0.0}
+                      "not_localized": 0.0, "not_reproduced": 0.0, "refused": 0.0}
     assert sum(values.values()) == scenario.facts["replays_run"]

@@ -366,6 +366,11 @@ def demo(fault: str, runs_dir: str | None, notify: tuple[str, ...], epochs: int,
     sys.exit(run_demo(fault, runs_dir, notify, epochs, timeout_s))
 
 
+# ------------------------------------------------------------------ preflight
+from .preflight.command import preflight  # noqa: E402 - the command lives in its own package
+cli.add_command(preflight)
+
+
 def main() -> None:
     """Console-script entry point."""
     cli()

@@ -89,7 +89,7 @@ def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         probe = Probe(model, optimizer, loss_fn, step or default_step(loss_fn), taken,
                       slice_batch(taken[0], overfit_samples), num_classes, split or split_batch)
         trace, info = _trace(probe)
-        if probe.num_classes is None and info is not None:
+        if probe.num_classes is None and isinstance(info, LossInfo):
             probe.num_classes = info.num_classes
         label_info = info if isinstance(info, LossInfo) else LossInfo("unknown", None, None)
         checks = [_safe("labels", lambda: check_labels(probe, label_info)),

@@ -41,7 +41,13 @@ def loss_info(trace: Trace) -> LossInfo:
             return LossInfo("bce", op, None)
         if op.name in _REG_OPS:
             return LossInfo("regression", op, None)
-    return LossInfo("other", None, None)
+    last = trace.ops[-1] if trace.ops else None
+    if trace.error is not None and last is not None and last.name == "_log_softmax":
+        # cross_entropy validates its target after log_softmax and before nll_loss: a float or
+        # mis-shaped target raises right there.
+        shape = last.in_shapes[0]
+        return LossInfo("ce", last, shape[1] if len(shape) >= 2 else None)
+    return LossInfo("unknown" if trace.error is not None else "other", None, None)
 
 
 def producer_of(trace: Trace, tensor_id: int, before: int) -> tuple[int, Op] | None:

@@ -13,10 +13,10 @@ import torch
 from .context import Probe, StepFn, default_step, rng_guard, slice_batch, split_batch
 from .data_checks import check_inputs, check_labels
 from .grad_checks import check_gradcheck, check_gradient_flow, check_gradients_applied
-from .lossinfo import LossInfo, loss_info
+from .lossinfo import loss_info
 from .loss_checks import check_initial_loss, check_output_vs_loss, check_shapes
 from .result import FAIL, Check
-from .trace import Trace, trace_forward
+from .trace import trace_forward
 from .training import check_lr_range, check_overfit
 from .units import check_dead_units
 
@@ -88,14 +88,16 @@ def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         taken = _take(batches, max_batches)
         probe = Probe(model, optimizer, loss_fn, step or default_step(loss_fn), taken,
                       slice_batch(taken[0], overfit_samples), num_classes, split or split_batch)
-        trace, info = _trace(probe)
-        if probe.num_classes is None and isinstance(info, LossInfo):
+        model_copy, _ = probe.fresh()
+        partial = trace_forward(model_copy, probe.loss_fn, probe.batch)
+        info = loss_info(partial)  # read even off a trace that raised: the labels check needs it
+        trace = partial.error if partial.error is not None else partial
+        if probe.num_classes is None:
             probe.num_classes = info.num_classes
-        label_info = info if isinstance(info, LossInfo) else LossInfo("unknown", None, None)
-        checks = [_safe("labels", lambda: check_labels(probe, label_info)),
+        checks = [_safe("labels", lambda: check_labels(probe, info)),
                   _safe("inputs", lambda: check_inputs(probe)),
                   _safe("output_vs_loss", lambda: check_output_vs_loss(_need(trace))),
-                  _safe("initial_loss", lambda: check_initial_loss(_need(trace), _need(info), probe.num_classes)),
+                  _safe("initial_loss", lambda: check_initial_loss(_need(trace), info, probe.num_classes)),
                   _safe("gradient_flow", lambda: check_gradient_flow(probe)),
                   _safe("gradients_applied", lambda: check_gradients_applied(probe)),
                   _safe("shapes", lambda: check_shapes(_need(trace))),
@@ -111,16 +113,6 @@ def _need(value: Any) -> Any:
     if isinstance(value, BaseException):
         raise value
     return value
-
-
-def _trace(probe: Probe) -> tuple[Trace | BaseException, LossInfo | BaseException]:
-    """One traced forward + loss on a copy; on failure the exception stands in for both results."""
-    model, _ = probe.fresh()
-    try:
-        trace = trace_forward(model, probe.loss_fn, probe.batch)
-    except Exception as exc:  # noqa: BLE001 - re-raised inside each check that needs the trace
-        return exc, exc
-    return trace, loss_info(trace)
 
 
 def check_recipe(recipe: Any, batches: Iterable[Any], **kwargs: Any) -> list[Check]:

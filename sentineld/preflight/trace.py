@@ -51,6 +51,7 @@ class Trace:
         functions: custom ``autograd.Function`` classes met -> (args, kwargs) of their first call,
             tensors detached and cloned.
         loss: the loss tensor ``loss_fn`` returned (attached to the graph).
+        error: what ``loss_fn`` raised, None when it returned; the ops up to the raising one are kept.
         module_shapes: (module name, type, output shape(s)) per module call, in call order.
         activations: (op name, phase, detached copy of the output) of every ReLU-like, sigmoid
             and tanh op (:data:`ACTIVATION_OPS`), copied because a later in-place op may change it.
@@ -60,6 +61,7 @@ class Trace:
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)
     functions: dict[type, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict)
     loss: torch.Tensor | None = None
+    error: Exception | None = None
     module_shapes: list[tuple[str, str, str]] = field(default_factory=list)
     activations: list[tuple[str, str, torch.Tensor]] = field(default_factory=list)
 
@@ -76,16 +78,19 @@ class _Recorder(TorchDispatchMode):
         self.phase = "model"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's API
-        out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         if name == "detach":  # autograd bookkeeping, not the user's computation
-            return out
-        ins, outs = _tensors((args, kwargs)), _tensors(out)
+            return func(*args, **(kwargs or {}))
+        ins = _tensors((args, kwargs))
+        # Noted before it runs: an op that raises (nll_loss on an out-of-range label) stays in
+        # the trace, so the labels check still learns the loss kind and C.
+        op = Op(name, [id(t) for t in ins], [], [tuple(t.shape) for t in ins], [], self.phase)
+        self.trace.ops.append(op)
+        out = func(*args, **(kwargs or {}))
+        outs = _tensors(out)
         for t in outs:
             self.trace.tensors[id(t)] = t
-        self.trace.ops.append(Op(name, [id(t) for t in ins], [id(t) for t in outs],
-                                 [tuple(t.shape) for t in ins], [tuple(t.shape) for t in outs],
-                                 self.phase))
+        op.outputs, op.out_shapes = [id(t) for t in outs], [tuple(t.shape) for t in outs]
         if name in ACTIVATION_OPS and outs:
             self.trace.activations.append((name, self.phase, outs[0].detach().clone()))
         return out
@@ -121,8 +126,7 @@ def trace_forward(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, An
     Ops run after the model's top-level forward returned are marked ``phase="loss"`` (a
     forward hook flips the phase), so a loss-side broadcast is told from the model's own.
 
-    Raises:
-        whatever ``loss_fn`` raises.
+    Never raises: an exception of ``loss_fn`` is stored in ``Trace.error``.
     """
     trace = Trace()
     rec = _Recorder(trace)
@@ -142,6 +146,8 @@ def trace_forward(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, An
     try:
         with _record_functions(trace), rec:
             trace.loss = loss_fn(model, batch)
+    except Exception as exc:  # noqa: BLE001 - the user's code; reported by the checks
+        trace.error = exc
     finally:
         for h in handles:
             h.remove()

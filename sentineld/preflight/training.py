@@ -21,8 +21,9 @@ __all__ = ["check_overfit", "check_lr_range", "lr_sweep", "suggest_lr", "OVERFIT
 #: "Near zero": the loss fell to this fraction of its first value (0.023 for 10-class CE from
 #: ln 10; the method's "order of 0.001" is reached with a longer budget).
 OVERFIT_TARGET = 0.01
-#: Above this fraction of the first loss at the end of the budget the batch was not learned at all.
-OVERFIT_STALL = 0.5
+#: Above this fraction of the first loss at the end of the budget the batch was not learned at
+#: all (a loss that fell by less than 10%); in between it is a WARN: learning, but too slowly.
+OVERFIT_STALL = 0.9
 #: The sweep suggests an lr only when its smoothed loss fell by at least this fraction.
 SWEEP_MIN_DROP = 0.1
 #: Sweep points skipped before looking for the steepest descent.
@@ -70,7 +71,8 @@ def check_overfit(probe: Probe, steps: int = 300) -> Check:
     fix = (f"if one batch cannot be overfit the bug is in capacity, data shapes or the "
            f"forward/loss/gradient chain; look at {CHECKLIST}")
     if status == WARN:
-        fix = "still decreasing: raise the budget (overfit_steps) or the learning rate, then " + fix
+        fix = ("the loss falls but too slowly: raise the step budget (--steps) or the learning rate "
+               "(too small a learning rate makes the loss crawl); if it still stalls, " + fix)
     return Check("overfit_one_batch", status, why, ev, fix)
 
 

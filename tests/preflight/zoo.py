@@ -163,6 +163,49 @@ def healthy_custom_function():
     return m, _adam(m), ce, tabular(), {}
 
 
+class GRUClassifier(nn.Module):
+    """Embedding + GRU + head on the last step (3 classes: last token id mod 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.gru, self.head = nn.Embedding(16, 16), nn.GRU(16, 32, batch_first=True), nn.Linear(32, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gru(self.embed(ids))[0][:, -1])
+
+
+def healthy_gru():
+    g = _gen(0)
+    data = []
+    for _ in range(NB):
+        ids = torch.randint(0, 16, (B, 6), generator=g)
+        data.append((ids, ids[:, -1] % 3))
+    m = GRUClassifier()
+    return m, _adam(m), ce, data, {}
+
+
+def healthy_layernorm_gelu_dropout():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(D, 64), nn.LayerNorm(64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 64),
+                      nn.LayerNorm(64), nn.GELU(), nn.Linear(64, C))
+    return m, _adam(m, 1e-3), ce, tabular(), {}
+
+
+def healthy_cnn_sgd_momentum():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1),
+                      nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
+    return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), ce, images(), {}
+
+
+def healthy_binary_logits():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(D, 32), nn.ReLU(), nn.Linear(32, 1))
+    data = [(x, (y % 2).float()) for x, y in tabular()]
+    return m, _adam(m), lambda model, b: F.binary_cross_entropy_with_logits(model(b[0]).squeeze(1), b[1]), data, {}
+
+
 # ------------------------------------------------------------------ planted
 def one_class_labels():
     m = mlp()
@@ -267,7 +310,10 @@ def too_high_lr():
 
 HEALTHY = [Case("mlp", None, healthy_mlp), Case("cnn_bn", None, healthy_cnn_bn),
            Case("tiny_lm", None, healthy_tiny_lm), Case("regression_tanh", None, healthy_regression),
-           Case("custom_function_ok", None, healthy_custom_function)]
+           Case("custom_function_ok", None, healthy_custom_function), Case("gru", None, healthy_gru),
+           Case("layernorm_gelu_dropout", None, healthy_layernorm_gelu_dropout),
+           Case("cnn_sgd_momentum", None, healthy_cnn_sgd_momentum),
+           Case("binary_logits", None, healthy_binary_logits)]
 PLANTED = [Case("one_class_labels", "labels", one_class_labels),
            Case("labels_off_by_one", "labels", labels_off_by_one),
            Case("raw_pixels", "inputs", raw_pixels),

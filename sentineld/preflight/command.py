@@ -10,6 +10,7 @@ Exit codes: 0 no check failed (warnings allowed), 1 a check failed, 2 bad input.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import sys
@@ -102,6 +103,8 @@ def preflight(recipe: str, data: str, as_json: bool, lr_range: bool, lr_plot: st
     _spec(data, "--data")
     if lr_plot is not None and not lr_plot.lower().endswith((".png", ".svg")):
         _bad(f"--lr-plot must end in .png or .svg, got {lr_plot!r}")
+    if lr_range and importlib.util.find_spec("matplotlib") is None:
+        _bad("--lr-range plots with matplotlib, which is not installed: pip install 'sentineld[preflight]'")
     built = _call(recipe, trust, "the recipe")
     from sentineld.recipe import Recipe  # noqa: PLC0415 - imports torch
 

@@ -152,7 +152,10 @@ def check_lr_range(probe: Probe, plot_path: str | Path | None = None) -> Check:
 
 
 def _plot(lrs: list[float], losses: list[float], suggested: float | None, user_lr: float, path: Path) -> None:
-    import matplotlib  # noqa: PLC0415 - only the --lr-range path needs it
+    try:
+        import matplotlib  # noqa: PLC0415 - only the --lr-range path needs it
+    except ImportError:
+        raise RuntimeError("the LR range plot needs matplotlib: pip install 'sentineld[preflight]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415

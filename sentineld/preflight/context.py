@@ -43,14 +43,50 @@ def rng_guard() -> Iterator[None]:
         random.setstate(py_state)
 
 
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_OPTIMIZER_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+
+
+def _is_agent_hook(fn: Any) -> bool:
+    """A hook that sentineld's agent (``attach``) registered: a bound method of an agent object."""
+    owner = getattr(fn, "__self__", None)
+    name = type(owner).__module__ if owner is not None else getattr(fn, "__module__", "") or ""
+    return name.startswith("sentineld.agent")
+
+
+@contextlib.contextmanager
+def _agent_hooks_hidden(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Hide the agent's hooks meanwhile; the original hook dicts (same objects) are put back.
+
+    Copied, they would drag the whole Watch (locks, threads, files) into the deepcopy, and the
+    copies' forwards and steps would be recorded as the user's run.
+    """
+    saved: list[tuple[Any, str, Any]] = []
+    owners: list[tuple[Any, tuple[str, ...]]] = [(m, _MODULE_HOOKS) for m in model.modules()]
+    owners += [(p, ("_backward_hooks",)) for p in model.parameters()] + [(optimizer, _OPTIMIZER_HOOKS)]
+    for obj, attrs in owners:
+        for attr in attrs:
+            hooks = getattr(obj, attr, None)
+            if hooks and any(_is_agent_hook(h) for h in hooks.values()):
+                saved.append((obj, attr, hooks))
+                setattr(obj, attr, type(hooks)((k, h) for k, h in hooks.items() if not _is_agent_hook(h)))
+    try:
+        yield
+    finally:
+        for obj, attr, hooks in saved:
+            setattr(obj, attr, hooks)
+
+
 def copy_pair(model: torch.nn.Module, optimizer: torch.optim.Optimizer
               ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Deep-copy model and optimizer together, so the copy's optimizer holds the copy's parameters.
 
     One ``deepcopy`` of the pair shares its memo: a parameter referenced by both (and as a key
-    of the optimizer's state) becomes one new parameter.
+    of the optimizer's state) becomes one new parameter. The user's own hooks are copied (they can
+    be part of the model, e.g. weight norm); sentineld agent hooks are not.
     """
-    return copy.deepcopy((model, optimizer))
+    with _agent_hooks_hidden(model, optimizer):
+        return copy.deepcopy((model, optimizer))
 
 
 def default_step(loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]) -> StepFn:

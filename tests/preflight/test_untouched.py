@@ -4,6 +4,7 @@ unchanged afterwards, though the checks trained, zeroed gradients and changed le
 from __future__ import annotations
 
 import copy
+import json
 import random
 from typing import Any
 
@@ -88,3 +89,43 @@ def test_rng_restored_when_the_users_code_raises() -> None:
     failed = {c.name for c in checks if c.status == "FAIL"}
     assert {"gradient_flow", "overfit_one_batch", "output_vs_loss"} <= failed
     assert all("boom in the user's loss" in c.message for c in checks if c.name in failed)
+
+
+def test_preflight_on_a_model_the_agent_watches_leaves_the_watch_alone(tmp_path) -> None:
+    """The agent's hooks on model, optimizer and a parameter are not copied into (nor fired by)
+    the preflight's copies: the watch sees no extra forward or optimizer step."""
+    from sentineld.agent import attach
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 20, generator=g)
+    y = (x @ torch.randn(20, 5, generator=g)).argmax(1)
+    batches = [(x[:32], y[:32]), (x[32:], y[32:])]
+
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(m(batch[0]), batch[1])
+
+    with attach(model, opt, run_id="pf", runs_dir=tmp_path, metrics_port=0) as watch:
+        for b in batches:
+            opt.zero_grad()
+            loss = loss_fn(model, b)
+            loss.backward()
+            opt.step()
+            watch.step(loss, batch=b)
+        hooks = (dict(model._forward_pre_hooks), dict(opt._optimizer_step_pre_hooks))
+        stream = sorted(tmp_path.rglob("*.jsonl"))
+        before = [p.read_bytes() for p in stream]
+        checks = check(model, opt, loss_fn, batches)
+        assert (dict(model._forward_pre_hooks), dict(opt._optimizer_step_pre_hooks)) == hooks
+        assert len(hooks[0]) >= 1 and len(hooks[1]) >= 1  # the agent's hooks are still on the model
+        opt.zero_grad()
+        loss = loss_fn(model, batches[0])
+        loss.backward()
+        opt.step()
+        watch.step(loss, batch=batches[0])  # the watch still works after the preflight
+    assert [c for c in checks if c.status == "FAIL"] == []
+    assert stream and [p.read_bytes()[: len(b)] for p, b in zip(stream, before)] == before
+    steps = [json.loads(line).get("step") for line in stream[0].read_text().splitlines() if line.strip()]
+    assert steps.count(2) <= 1 and max(s for s in steps if s is not None) == 2

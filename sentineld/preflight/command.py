@@ -119,7 +119,7 @@ def preflight(recipe: str, data: str, as_json: bool, lr_range: bool, lr_plot: st
             checks = check_recipe(built, batches, num_classes=num_classes or built.num_classes,
                                   lr_range=lr_range, lr_plot=lr_plot, overfit_steps=overfit_steps)
     except (TypeError, ValueError) as exc:
-        _bad(f"{data}: {exc}")
+        _bad(f"{exc} (recipe {recipe}, data {data})")
     if as_json:
         click.echo(json.dumps(to_json_dict(checks), indent=2))
     else:

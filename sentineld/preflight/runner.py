@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .context import Probe, StepFn, default_step, rng_guard, slice_batch, split_batch
+from .context import Probe, StepFn, copy_pair, default_step, rng_guard, slice_batch, split_batch
 from .data_checks import check_inputs, check_labels
 from .grad_checks import check_gradcheck, check_gradient_flow, check_gradients_applied
 from .lossinfo import loss_info
@@ -81,10 +81,12 @@ def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         [lr_range].
 
     Raises:
-        TypeError, ValueError: ``batches`` is not an iterable of at least one batch.
+        TypeError, ValueError: ``batches`` is not an iterable of at least one batch, or the model
+            and optimizer cannot be deep-copied.
     """
     with rng_guard():
         torch.manual_seed(0)  # dropout masks, inits in loss_fn: the same verdicts on every run
+        _copyable(model, optimizer)
         taken = _take(batches, max_batches)
         probe = Probe(model, optimizer, loss_fn, step or default_step(loss_fn), taken,
                       slice_batch(taken[0], overfit_samples), num_classes, split or split_batch)
@@ -106,7 +108,27 @@ def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                   _safe("overfit_one_batch", lambda: check_overfit(probe, overfit_steps))]
         if lr_range:
             checks.append(_safe("lr_range", lambda: check_lr_range(probe, lr_plot)))
-    return checks
+    return _point_overfit_at_failures(checks)
+
+
+def _point_overfit_at_failures(checks: list[Check]) -> list[Check]:
+    """A failed Rule #1 names the earlier checks that failed: the checklist says look there first."""
+    names = [c.name for c in checks if c.status == FAIL and c.name not in ("overfit_one_batch", "lr_range")]
+    out = []
+    for c in checks:
+        if c.name == "overfit_one_batch" and c.status != "PASS" and names:
+            c = dataclasses.replace(c, evidence=c.evidence | {"look_first_at": names},
+                                    fix=f"first fix the failed checks above ({', '.join(names)}); " + c.fix)
+        out.append(c)
+    return out
+
+
+def _copyable(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    try:
+        copy_pair(model, optimizer)
+    except Exception as exc:  # noqa: BLE001 - whatever the user's objects hold
+        raise ValueError(f"preflight works on a copy, and copy.deepcopy of the model and optimizer failed "
+                         f"({type(exc).__name__}: {exc}); keep locks, files and threads out of the model") from None
 
 
 def _need(value: Any) -> Any:

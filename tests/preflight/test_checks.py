@@ -178,3 +178,23 @@ def test_a_single_batch_instead_of_batches_is_bad_input() -> None:
     m = nn.Linear(20, 5)
     with pytest.raises(TypeError, match="wrap a single batch"):
         check(m, torch.optim.SGD(m.parameters(), lr=0.1), _ce, torch.zeros(4, 20))
+
+
+def test_failed_overfit_points_at_the_failed_checks_first() -> None:
+    from tests.preflight.zoo import PLANTED
+
+    case = next(c for c in PLANTED if c.name == "dead_relu_init")
+    model, opt, loss_fn, batches, extra = case.build()
+    overfit = {c.name: c for c in check(model, opt, loss_fn, batches, **extra)}["overfit_one_batch"]
+    assert overfit.status == FAIL
+    assert overfit.evidence["look_first_at"] == ["gradient_flow", "dead_units"]
+    assert overfit.fix.startswith("first fix the failed checks above (gradient_flow, dead_units)")
+
+
+def test_a_model_that_cannot_be_copied_is_bad_input() -> None:
+    import threading
+
+    m = nn.Linear(20, 5)
+    m.lock = threading.Lock()  # not deep-copyable
+    with pytest.raises(ValueError, match="copy.deepcopy of the model and optimizer failed"):
+        check(m, torch.optim.SGD(m.parameters(), lr=0.1), _ce, tabular())

@@ -8,7 +8,7 @@ batch", reserved for custom layers and self-implemented backward passes.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -33,10 +33,11 @@ def check_gradient_flow(probe: Probe) -> Check:
     optimizer; frozen parameters handed to the optimizer were likely meant to be trained."""
     model, opt = probe.fresh()
     model.zero_grad(set_to_none=True)
-    probe.loss_fn(model, probe.batch).backward()
+    called = _called_modules(model, lambda: probe.loss_fn(model, probe.batch).backward())
+    owner = {id(p): mod for mod in model.modules() for p in mod.parameters(recurse=False)}
     in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
     found: dict[str, list[str]] = {"no_grad": [], "non_finite": [], "zero": [], "not_in_optimizer": [],
-                                   "frozen_in_optimizer": [], "frozen": []}
+                                   "frozen_in_optimizer": [], "frozen": [], "unused_module": []}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             found["frozen_in_optimizer" if id(p) in in_opt else "frozen"].append(name)
@@ -44,13 +45,15 @@ def check_gradient_flow(probe: Probe) -> Check:
         if id(p) not in in_opt:
             found["not_in_optimizer"].append(name)
         if p.grad is None:
-            found["no_grad"].append(name)
+            # a module the forward never called (an unused pooler or head) is dead weight, not a
+            # broken graph; a called module whose parameter gets no gradient was detached
+            found["unused_module" if id(owner.get(id(p))) not in called else "no_grad"].append(name)
         elif not torch.isfinite(p.grad).all():
             found["non_finite"].append(name)
         elif not p.grad.any():
             found["zero"].append(name)
     ev: dict[str, Any] = {k: v for k, v in found.items() if v}
-    problems = [(k, v) for k, v in found.items() if v and k != "frozen"]
+    problems = [(k, v) for k, v in found.items() if v and k not in ("frozen", "unused_module")]
     if problems:
         text = {"no_grad": "get no gradient (not on the loss's graph: detached, unused or under no_grad)",
                 "non_finite": "get a NaN/Inf gradient", "zero": "get an all-zero gradient",
@@ -63,12 +66,28 @@ def check_gradient_flow(probe: Probe) -> Check:
                      "p.grad.abs().max() > 0); build the optimizer from model.parameters() after "
                      "deciding what to freeze; look for .detach(), no_grad and dead units upstream")
     n = sum(1 for p in model.parameters() if p.requires_grad)
+    if found["unused_module"]:
+        return Check("gradient_flow", WARN, f"{len(found['unused_module'])} parameters belong to modules the "
+                     f"forward never called: {_names(found['unused_module'])}", ev,
+                     "remove the unused modules, or call them if they were meant to be used")
     if found["frozen"]:
         return Check("gradient_flow", WARN, f"{n} trainable parameters get finite non-zero gradients; "
                      f"{len(found['frozen'])} are frozen: {_names(found['frozen'])}", ev,
                      "check that freezing these is intended")
     return Check("gradient_flow", PASS, f"all {n} trainable parameters get finite, non-zero gradients "
                  "and are in the optimizer", ev)
+
+
+def _called_modules(model: torch.nn.Module, run: Callable[[], None]) -> set[int]:
+    """ids of the modules whose forward ran during ``run()``."""
+    called: set[int] = set()
+    handles = [m.register_forward_pre_hook(lambda mod, _inp: called.add(id(mod))) for m in model.modules()]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return called
 
 
 def _flat_grads(model: torch.nn.Module) -> torch.Tensor:

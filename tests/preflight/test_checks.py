@@ -198,3 +198,26 @@ def test_a_model_that_cannot_be_copied_is_bad_input() -> None:
     m.lock = threading.Lock()  # not deep-copyable
     with pytest.raises(ValueError, match="copy.deepcopy of the model and optimizer failed"):
         check(m, torch.optim.SGD(m.parameters(), lr=0.1), _ce, tabular())
+
+
+class WithUnusedHead(nn.Module):
+    def __init__(self, detach: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head, self.pooler, self.detach = nn.Linear(20, 16), nn.Linear(16, 5), nn.Linear(16, 16), detach
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        if self.detach:
+            return self.head(self.pooler(h).detach() + h)  # pooler called, but cut off the graph
+        return self.head(h)
+
+
+@pytest.mark.parametrize("detach, status", [(False, WARN), (True, FAIL)])
+def test_unused_module_warns_but_a_detached_one_fails(detach: bool, status: str) -> None:
+    m = WithUnusedHead(detach)
+    flow = {c.name: c for c in check(m, torch.optim.Adam(m.parameters(), 1e-2), _ce, tabular(),
+                                     overfit_steps=1)}["gradient_flow"]
+    assert flow.status == status
+    key = "no_grad" if detach else "unused_module"
+    assert flow.evidence[key] == ["pooler.weight", "pooler.bias"]

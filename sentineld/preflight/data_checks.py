@@ -76,6 +76,11 @@ def _ce_labels(probe: Probe, info: LossInfo, y: torch.Tensor, ev: dict[str, Any]
     c = probe.num_classes or info.num_classes
     ev["num_classes"] = c
     fix = "labels of a C-class cross-entropy are integer class indices 0..C-1; print y's range and type"
+    if probe.num_classes and info.num_classes and probe.num_classes != info.num_classes:
+        ev["model_outputs"] = info.num_classes
+        return Check("labels", FAIL, f"num_classes is {probe.num_classes} but the loss gets "
+                     f"{info.num_classes} class scores per sample", ev,
+                     "make the output layer's size the number of classes")
     if y.is_floating_point():
         return Check("labels", FAIL, f"class labels are {ev['dtype']}, not integer indices", ev, fix)
     valid = y[y != IGNORE_INDEX]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .context import Probe
 from .lossinfo import LossInfo, producer_of
 from .result import FAIL, PASS, WARN, Check
 from .trace import Trace

@@ -106,7 +106,7 @@ class Affine(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         x, w = ctx.saved_tensors
         gw = g.t() @ x
-        return g @ w, (gw.t()[: gw.shape[0]].t() * 0.5 if ctx.wrong_w else gw), None
+        return g @ w, (gw * 0.5 if ctx.wrong_w else gw), None  # wrong: half the weight gradient
 
 
 @pytest.mark.parametrize("wrong", [False, True])
@@ -221,3 +221,20 @@ def test_unused_module_warns_but_a_detached_one_fails(detach: bool, status: str)
     assert flow.status == status
     key = "no_grad" if detach else "unused_module"
     assert flow.evidence[key] == ["pooler.weight", "pooler.bias"]
+
+
+def test_num_classes_against_the_output_layer() -> None:
+    torch.manual_seed(0)
+    m = nn.Linear(20, 5)
+    lab = check(m, torch.optim.SGD(m.parameters(), lr=0.1), _ce, tabular(), num_classes=10, overfit_steps=1)[0]
+    assert lab.status == FAIL and lab.evidence["model_outputs"] == 5 and "num_classes is 10" in lab.message
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_gradcheck_of_a_big_custom_function_on_element_subsets_still_catches_a_bad_backward(wrong: bool) -> None:
+    w = nn.Parameter(torch.randn(64, 512) * 0.05)  # 32k weight elements: a full Jacobian is too slow
+    x = torch.randn(32, 512)
+    loss = lambda m, b: Affine.apply(b[0], w, wrong).pow(2).mean()  # noqa: E731
+    trace = trace_forward(nn.Identity(), loss, (x, None))
+    c = check_gradcheck(trace)
+    assert c.status == (FAIL if wrong else PASS), c.evidence

@@ -68,11 +68,11 @@ def check_overfit(probe: Probe, steps: int = 300) -> Check:
                          f"in {len(curve)} steps", ev)
         status = FAIL if final > OVERFIT_STALL * first else WARN
         why = f"after {len(curve)} steps the loss is {final:.3g} (from {first:.3g}); near zero is <= {target:.3g}"
-    fix = (f"if one batch cannot be overfit the bug is in capacity, data shapes or the "
-           f"forward/loss/gradient chain; look at {CHECKLIST}")
+    cause = f"the bug is in capacity, data shapes or the forward/loss/gradient chain; look at {CHECKLIST}"
+    fix = "one batch that cannot be overfit means " + cause
     if status == WARN:
         fix = ("the loss falls but too slowly: raise the step budget (--steps) or the learning rate "
-               "(too small a learning rate makes the loss crawl); if it still stalls, " + fix)
+               "(too small a learning rate makes the loss crawl); if it still stalls, " + cause)
     return Check("overfit_one_batch", status, why, ev, fix)
 
 

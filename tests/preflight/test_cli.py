@@ -77,7 +77,7 @@ def test_healthy_recipe_exits_0_with_a_table(workdir: Path) -> None:
 
 def test_buggy_recipe_exits_1_and_json_names_the_failures(workdir: Path) -> None:
     r = _run(workdir, "pftrain:make_buggy", "--data", "pftrain:data", "--json", "--lr-range",
-             "--lr-plot", "plots/lr.svg")
+             "--lr-plot", "plots/lr.svg", "--num-classes", "5")
     assert r.returncode == 1, r.stderr
     out = json.loads(r.stdout)
     assert out["ok"] is False
@@ -85,6 +85,7 @@ def test_buggy_recipe_exits_1_and_json_names_the_failures(workdir: Path) -> None
     assert {"output_vs_loss", "gradients_applied"} <= failed
     assert "softmax" in next(c for c in out["checks"] if c["name"] == "output_vs_loss")["evidence"]["ops"]
     assert [c["name"] for c in out["checks"]][-1] == "lr_range"
+    assert out["checks"][0]["evidence"]["num_classes"] == 5
     assert (workdir / "plots" / "lr.svg").read_text().count("<svg") == 1
 
 

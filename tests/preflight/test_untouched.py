@@ -129,3 +129,14 @@ def test_preflight_on_a_model_the_agent_watches_leaves_the_watch_alone(tmp_path)
     assert stream and [p.read_bytes()[: len(b)] for p, b in zip(stream, before)] == before
     steps = [json.loads(line).get("step") for line in stream[0].read_text().splitlines() if line.strip()]
     assert steps.count(2) <= 1 and max(s for s in steps if s is not None) == 2
+
+
+def test_two_runs_give_the_same_verdicts() -> None:
+    from tests.preflight.zoo import HEALTHY
+
+    case = next(c for c in HEALTHY if c.name == "layernorm_gelu_dropout")  # dropout draws RNG
+    runs = []
+    for _ in range(2):
+        model, opt, loss_fn, batches, extra = case.build()
+        runs.append([(c.name, c.status, c.message) for c in check(model, opt, loss_fn, batches, **extra)])
+    assert runs[0] == runs[1]

@@ -24,8 +24,11 @@ OVERFIT_TARGET = 0.01
 #: Above this fraction of the first loss at the end of the budget the batch was not learned at
 #: all (a loss that fell by less than 10%); in between it is a WARN: learning, but too slowly.
 OVERFIT_STALL = 0.9
-#: The sweep suggests an lr only when its smoothed loss fell by at least this fraction.
-SWEEP_MIN_DROP = 0.1
+#: The sweep suggests an lr only when its smoothed loss fell by at least this fraction (a slow
+#: learner such as SGD on a small CNN falls ~6% in a 100-step sweep of one batch).
+SWEEP_MIN_DROP = 0.03
+#: Steps of the sweep.
+SWEEP_STEPS = 100
 #: Sweep points skipped before looking for the steepest descent.
 SWEEP_SKIP = 10
 #: A loss above this multiple of the first one, or non-finite, is divergence.
@@ -81,7 +84,7 @@ def _samples(probe: Probe) -> int | None:
     return int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() else None
 
 
-def lr_sweep(probe: Probe, lr_min: float = 1e-7, lr_max: float = 10.0, steps: int = 80
+def lr_sweep(probe: Probe, lr_min: float = 1e-7, lr_max: float = 10.0, steps: int = 100
              ) -> tuple[list[float], list[float]]:
     """Exponentially growing lr, one step each, on Rule #1's batch; stops at divergence.
 
@@ -111,14 +114,17 @@ def lr_sweep(probe: Probe, lr_min: float = 1e-7, lr_max: float = 10.0, steps: in
 
 
 def suggest_lr(lrs: list[float], losses: list[float]) -> float | None:
-    """The lr where the smoothed loss falls fastest per decade of lr (steepest negative slope)."""
+    """The lr where the smoothed loss falls fastest per decade (steepest negative slope), capped at
+    a tenth of the lr of the lowest loss (Smith's rule; the EMA's lag can put the steepest point
+    past the minimum, on the cliff)."""
     if len(lrs) < 5 or min(losses) > (1 - SWEEP_MIN_DROP) * losses[0]:
         return None  # the loss never fell: no lr is "good" (gradients not applied, or no signal)
     logs = [math.log10(x) for x in lrs]
     # central differences; the first points are skipped as fastai does (the EMA is still warming up)
     idx = range(max(1, min(SWEEP_SKIP, len(lrs) - 3)), len(lrs) - 1)
     slope = {i: (losses[i + 1] - losses[i - 1]) / (logs[i + 1] - logs[i - 1]) for i in idx}
-    return lrs[min(slope, key=slope.__getitem__)]
+    lowest = lrs[min(range(len(losses)), key=losses.__getitem__)]
+    return min(lrs[min(slope, key=slope.__getitem__)], lowest / 10)
 
 
 def check_lr_range(probe: Probe, plot_path: str | Path | None = None) -> Check:
@@ -128,8 +134,9 @@ def check_lr_range(probe: Probe, plot_path: str | Path | None = None) -> Check:
         plot_path: PNG or SVG file for the plot (default ``preflight-lr-range.png`` in the cwd).
     """
     user_lr = _lr(probe.optimizer)
+    # fastai's range (1e-7..10, 100 steps), widened to 10x the user's lr so a too-high lr is inside it
     lr_max = max(10.0, 10 * user_lr) if math.isfinite(user_lr) else 10.0
-    lrs, losses = lr_sweep(probe, lr_max=lr_max)
+    lrs, losses = lr_sweep(probe, lr_min=1e-7, lr_max=lr_max, steps=SWEEP_STEPS)
     suggested = suggest_lr(lrs, losses)
     best_i = min(range(len(losses)), key=losses.__getitem__) if losses else None
     diverged = lrs[-1] if lrs and lrs[-1] < lr_max * 0.99 else None

@@ -30,11 +30,13 @@ def test_planted_bug_is_failed_by_its_check(case: Case) -> None:
 
 
 @pytest.mark.parametrize("case", HEALTHY, ids=lambda c: c.name)
-def test_healthy_model_gets_no_fail(case: Case) -> None:
-    result = _run(case)
-    assert [c.name for c in result] == ORDER
+def test_healthy_model_gets_no_fail(case: Case, tmp_path) -> None:
+    result = _run(case, lr_range=True, lr_plot=tmp_path / "lr.png")
+    assert [c.name for c in result] == ORDER + ["lr_range"]
     assert [c for c in result if c.status == FAIL] == []
-    overfit = result[-1]
+    lr = result[-1].evidence
+    assert lr["suggested_lr"] is not None and lr["suggested_lr"] <= lr["min_loss_lr"] / 10
+    overfit = result[-2]
     assert overfit.status == PASS and overfit.evidence["final_loss"] <= 0.01 * overfit.evidence["first_loss"]
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from .lossinfo import LossInfo, producer_of
 from .result import FAIL, PASS, WARN, Check
 from .trace import Trace
@@ -128,9 +130,15 @@ def _broadcasts(trace: Trace) -> list[dict[str, Any]]:
 
 
 def check_shapes(trace: Trace) -> Check:
-    """Each module's output shape (a table in ``evidence["table"]``) and loss-side broadcasting."""
+    """Each module's output shape (a table in ``evidence["table"]``), a non-scalar loss, and
+    loss-side broadcasting."""
     table = [list(row) for row in trace.module_shapes]
     ev: dict[str, Any] = {"table": table[:200]}
+    loss = trace.loss
+    if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+        ev["loss_shape"] = list(loss.shape)
+        return Check("shapes", FAIL, f"the loss has shape {list(loss.shape)}, not a scalar", ev,
+                     "reduce it (loss.mean()); backward of a non-scalar loss needs an explicit gradient")
     bad = _broadcasts(trace)
     if bad:
         ev["broadcasts"] = bad[:5]

@@ -238,3 +238,9 @@ def test_gradcheck_of_a_big_custom_function_on_element_subsets_still_catches_a_b
     trace = trace_forward(nn.Identity(), loss, (x, None))
     c = check_gradcheck(trace)
     assert c.status == (FAIL if wrong else PASS), c.evidence
+
+
+def test_a_non_scalar_loss_is_a_shape_failure() -> None:
+    loss = lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")  # noqa: E731 - [B]
+    c = check_shapes(_trace(lambda z: z, loss))
+    assert c.status == FAIL and c.evidence["loss_shape"] == [32]

@@ -106,10 +106,10 @@ def preflight(recipe: str, data: str, as_json: bool, lr_range: bool, lr_plot: st
     if lr_range and importlib.util.find_spec("matplotlib") is None:
         _bad("--lr-range plots with matplotlib, which is not installed: pip install 'sentineld[preflight]'")
     built = _call(recipe, trust, "the recipe")
-    from sentineld.recipe import Recipe  # noqa: PLC0415 - imports torch
+    from sentineld.contracts.recipe import Recipe  # noqa: PLC0415 - imports torch
 
     if not isinstance(built, Recipe):
-        _bad(f"{recipe} returned {type(built).__name__}, not a sentineld.recipe.Recipe "
+        _bad(f"{recipe} returned {type(built).__name__}, not a sentineld.contracts.recipe.Recipe "
              "(Recipe(model=..., optimizer=..., loss_fn=...))")
     batches = _call(data, trust, "the data function")
     from .runner import check_recipe  # noqa: PLC0415

@@ -138,9 +138,9 @@ def _need(value: Any) -> Any:
 
 
 def check_recipe(recipe: Any, batches: Iterable[Any], **kwargs: Any) -> list[Check]:
-    """:func:`check` for a :class:`sentineld.recipe.Recipe`: its step is ``train_step`` (clipping,
+    """:func:`check` for a :class:`sentineld.contracts.recipe.Recipe`: its step is ``train_step`` (clipping,
     autocast, its ``zero_grad`` flag) on the copies; scheduler and accumulation are left out."""
-    from sentineld.recipe import train_step  # noqa: PLC0415
+    from sentineld.contracts.recipe import train_step  # noqa: PLC0415
 
     def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
         return train_step(dataclasses.replace(recipe, model=model, optimizer=optimizer, scheduler=None,

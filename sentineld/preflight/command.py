@@ -18,11 +18,14 @@ from typing import Any, Callable
 
 import click
 
+from sentineld.contracts.errors import EXIT_BAD_INPUT, EXIT_OK
+
 from .result import FAIL, PASS, WARN, Check, overall_ok, to_json_dict
 
 __all__ = ["preflight", "render"]
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+#: A check failed (0 and 2 are the CLI's, from sentineld.contracts.errors).
+EXIT_FAILED = 1
 _STYLE = {PASS: "green", WARN: "yellow", FAIL: "bold red"}
 
 
@@ -109,7 +112,7 @@ def preflight(recipe: str, data: str, as_json: bool, lr_range: bool, lr_plot: st
     from sentineld.contracts.recipe import Recipe  # noqa: PLC0415 - imports torch
 
     if not isinstance(built, Recipe):
-        _bad(f"{recipe} returned {type(built).__name__}, not a sentineld.contracts.recipe.Recipe "
+        _bad(f"{recipe} returned {type(built).__name__}, not a sentineld.recipe.Recipe "
              "(Recipe(model=..., optimizer=..., loss_fn=...))")
     batches = _call(data, trust, "the data function")
     from .runner import check_recipe  # noqa: PLC0415

@@ -173,7 +173,7 @@ def _on_subsets(fn: Callable[..., Any], xs: list[torch.Tensor]
         its own delta, a big one gets a zero delta of SUBSET_ELEMENTS at seeded random positions.
     """
     gen = torch.Generator().manual_seed(0)
-    plan = []
+    plan: list[tuple[torch.Tensor | None, torch.Tensor]] = []
     for x in xs:
         if x.numel() <= FULL_NUMEL:
             plan.append((None, x))
@@ -198,11 +198,12 @@ def check_gradcheck(trace: Trace) -> Check:
         name = f"{cls.__module__}.{cls.__qualname__}"
         inputs, diff = _double_inputs(args)
 
-        def fn(*xs: torch.Tensor, _cls: type = cls, _inputs: list[Any] = inputs, _diff: list[int] = diff) -> Any:
+        def fn(*xs: torch.Tensor, _cls: Any = cls, _inputs: list[Any] = inputs, _diff: list[int] = diff,
+               _kwargs: dict[str, Any] = kwargs) -> Any:
             full = list(_inputs)
             for i, x in zip(_diff, xs):
                 full[i] = x
-            return _cls.apply(*full, **kwargs)
+            return _cls.apply(*full, **_kwargs)
         probe_fn, xs = _on_subsets(fn, [inputs[i] for i in diff])
         try:
             ok = torch.autograd.gradcheck(probe_fn, xs, eps=1e-6, atol=1e-4, raise_exception=True)

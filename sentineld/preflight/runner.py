@@ -13,8 +13,8 @@ import torch
 from .context import Probe, StepFn, copy_pair, default_step, rng_guard, slice_batch, split_batch
 from .data_checks import check_inputs, check_labels
 from .grad_checks import check_gradcheck, check_gradient_flow, check_gradients_applied
-from .lossinfo import loss_info
 from .loss_checks import check_initial_loss, check_output_vs_loss, check_shapes
+from .lossinfo import loss_info
 from .result import FAIL, Check
 from .trace import trace_forward
 from .training import check_lr_range, check_overfit

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 __all__ = ["Op", "Trace", "trace_forward", "ACTIVATION_OPS"]
 
@@ -112,11 +112,12 @@ def _record_functions(trace: Trace) -> Iterator[None]:
                                     {k: _clone_arg(v) for k, v in kwargs.items()})
         return original.__func__(cls, *args, **kwargs)
 
-    base.apply = classmethod(apply)
+    # A classmethod swapped in on the class for the trace's duration (mypy: methods are read-only).
+    base.apply = classmethod(apply)  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
-        base.apply = original
+        base.apply = original  # type: ignore[method-assign]
 
 
 def trace_forward(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],

@@ -9,6 +9,8 @@ bounds everywhere: its gradient is then ~0 too.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .result import FAIL, PASS, WARN, Check
@@ -52,7 +54,7 @@ def unit_inactive(op: str, out: torch.Tensor) -> torch.Tensor:
 
 def check_dead_units(trace: Trace) -> Check:
     """Share of dead/saturated units per activation layer of the traced forward (DEAD_WARN/FAIL)."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for i, (op, phase, out) in enumerate(trace.activations):
         if phase != "model" or out.dim() < 2 or out.shape[0] < 2:
             continue

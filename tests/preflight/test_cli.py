@@ -18,7 +18,7 @@ SENTINELD = Path(sys.executable).with_name("sentineld")
 
 MODULE = textwrap.dedent('''
     import torch, torch.nn as nn, torch.nn.functional as F
-    from sentineld.contracts.recipe import Recipe
+    from sentineld.recipe import Recipe
 
     def _ce(model, batch):
         return F.cross_entropy(model(batch[0]), batch[1])
@@ -94,7 +94,7 @@ def test_buggy_recipe_exits_1_and_json_names_the_failures(workdir: Path) -> None
     (["pftrain:make_recipe", "--data", "pftrain"], "--data must be MODULE:FUNCTION"),
     (["pftrain:missing", "--data", "pftrain:data"], "has no attribute 'missing'"),
     (["nosuchmodule:make", "--data", "pftrain:data"], "No module named 'nosuchmodule'"),
-    (["pftrain:not_a_recipe", "--data", "pftrain:data"], "returned int, not a sentineld.contracts.recipe.Recipe"),
+    (["pftrain:not_a_recipe", "--data", "pftrain:data"], "returned int, not a sentineld.recipe.Recipe"),
     (["pftrain:make_recipe", "--data", "pftrain:no_data"], "must be an iterable of batches, got NoneType"),
     (["pftrain:make_recipe", "--data", "pftrain:empty"], "yielded no batch"),
     (["pftrain:make_recipe", "--data", "pftrain:data", "--lr-plot", "x.pdf"], "must end in .png or .svg"),

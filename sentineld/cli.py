@@ -24,6 +24,7 @@ import click
 
 from sentineld.contracts.errors import EXIT_BAD_INPUT, EXIT_NOT_RUNNING, EXIT_OK
 from sentineld.daemon.daemon_config import ConfigError, default_state_dir, load_config
+from sentineld.preflight.command import preflight
 from sentineld.replay.main import replay_options, run_replay
 
 __all__ = ["main", "cli"]
@@ -315,6 +316,10 @@ def demo(fault: str, runs_dir: str | None, notify: tuple[str, ...], epochs: int,
     from sentineld.demo import run_demo  # noqa: PLC0415
 
     sys.exit(run_demo(fault, runs_dir, notify, epochs, timeout_s))
+
+
+# ------------------------------------------------------------------ preflight
+cli.add_command(preflight)  # defined in sentineld/preflight/command.py (imports torch only when run)
 
 
 def main() -> None:

@@ -11,16 +11,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from sentineld.contracts.records import StepRecord, record_from_json
 from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, read_run_meta
 from sentineld.contracts.stream import CHUNK_BYTES, StreamTail, read_lines
 
-__all__ = ["RunWatch", "save_progress", "load_progress"]
+__all__ = ["RunWatch", "save_progress", "load_progress", "stale_temp_captures", "STALE_TMP_AGE_S"]
 
 log = logging.getLogger("sentineld.daemon")
 
@@ -261,6 +262,32 @@ class RunWatch:
         self.ended = {_as_int(r): str(v) for r, v in saved.get("ended", {}).items()}
         self.last_alert_s = {str(k): float(v) for k, v in (saved.get("last_alert_s") or {}).items()
                              if isinstance(v, (int, float))}
+
+
+#: A temp capture untouched this long, of a process that is gone, will never be finished.
+STALE_TMP_AGE_S = 60.0
+
+
+def stale_temp_captures(rw: RunWatch, now_s: float, this_host: str,
+                        alive: Callable[[int], bool]) -> list[Path]:
+    """``capture-rank<R>-*.h5.tmp`` files of ``rw`` a killed training process left behind.
+
+    A temp file is stale when it is a regular file (never a symlink: deleting through one would
+    remove a file elsewhere), older than :data:`STALE_TMP_AGE_S`, and rank R's process ran on
+    this host and is no longer alive. Files of other hosts' ranks are left to their daemon.
+    """
+    out = []
+    for rank, pid in rw.pids.items():
+        if not pid or rw.hosts.get(rank) != this_host or alive(pid):
+            continue
+        for p in RunDir(rw.run_dir).unfinished_captures(rank):
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and now_s - st.st_mtime >= STALE_TMP_AGE_S:
+                out.append(p)
+    return out
 
 
 def save_progress(path: Path, rw: RunWatch) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from sentineld.contracts.rundir import RunMeta, make_private_dir, stream_path, write_run_meta
+from sentineld.contracts.rundir import RunDirError, RunMeta, make_private_dir, stream_path, write_run_meta
 from sentineld.contracts.stream import StreamWriter
 
 from .runinfo import torch_flags, unused_run_id
@@ -52,7 +52,7 @@ def open_run_files(parent: Path, run_id: str, rank: int, world: int, *, recipe: 
             world_size=world, torch_version=str(torch.__version__), num_threads=torch.get_num_threads(),
             num_classes=num_classes, started_s=wall_clock(), extra={"torch_flags": torch_flags()}))
         stream = StreamWriter(stream_path(run_dir, rank), flush_s)
-    except OSError as exc:
+    except (OSError, RunDirError) as exc:
         # Monitoring must not stop the training it watches: run on, switched off.
         log.error("sentineld: cannot write run directory %s (%s); the agent is off, training "
                   "continues. Pass runs_dir= or set SENTINELD_RUNS_DIR to a writable directory",

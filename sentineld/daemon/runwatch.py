@@ -11,16 +11,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from sentineld.contracts.records import StepRecord, record_from_json
 from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, read_run_meta
 from sentineld.contracts.stream import CHUNK_BYTES, StreamTail, read_lines
 
-__all__ = ["RunWatch", "save_progress", "load_progress"]
+__all__ = ["RunWatch", "save_progress", "load_progress", "stale_temp_captures", "STALE_TMP_AGE_S"]
 
 log = logging.getLogger("sentineld.daemon")
 
@@ -73,6 +74,9 @@ class RunWatch:
     bad_lines: int = 0
     last_alert_s: dict[str, float] = field(default_factory=dict)
     reported_error: str | None = None
+    meta_error: str | None = None
+    replaced: bool = False
+    _meta_key: tuple[int, int, int] | None = None
     _buf: dict[int, deque[tuple[dict[str, Any] | None, int]]] = field(default_factory=dict)
     _consumed: dict[int, int] = field(default_factory=dict)
     _starts: dict[int, deque[int]] = field(default_factory=dict)
@@ -81,6 +85,14 @@ class RunWatch:
     @property
     def run_id(self) -> str:
         return self.meta.run_id if self.meta else self.run_dir.name
+
+    @property
+    def incident_scope(self) -> str:
+        """What notification and replay ids are made of: the run id plus when the run started, so
+        a new run reusing the id of a deleted or moved one gets its own notifications."""
+        if self.meta is not None and self.meta.started_s:
+            return f"{self.run_id}@{self.meta.started_s!r}"
+        return self.run_id
 
     @property
     def behind(self) -> bool:
@@ -108,13 +120,14 @@ class RunWatch:
         """
         new: dict[int, list[StepRecord]] = {}
         try:
-            if self.meta is None:
-                self.meta = read_run_meta(self.run_dir)
             names = os.listdir(self.run_dir)
-        except (RunDirError, OSError) as exc:
+        except OSError as exc:
             self.error = str(exc)
             return new, []
         self.error = None
+        self._read_meta()
+        if self.replaced:
+            return new, []  # another run now: the daemon starts a fresh watch of it
         for name in names:
             rank = RunDir.stream_rank(name)
             if rank is not None and rank not in self.tails:
@@ -166,6 +179,30 @@ class RunWatch:
             self.error = str(exc)
         return new, caps
 
+    def _read_meta(self) -> None:
+        """(Re)read ``run.json`` when it changed. A damaged one is an ``error`` (shown in status),
+        not a reason to stop reading the streams: their NaN is still alerted. A ``run.json`` of
+        another run (other ``started_s``: the directory was deleted or moved and a run with the
+        same id took its place) sets ``replaced``; the daemon then watches it as a new run."""
+        path = self.run_dir / RunDir.RUN_JSON
+        try:
+            st = os.lstat(path)
+            key: tuple[int, int, int] | None = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            key = None
+        if key == self._meta_key and self.meta is not None:
+            return
+        try:
+            meta = read_run_meta(self.run_dir)
+        except RunDirError as exc:
+            self.meta_error = str(exc)
+            self._meta_key = key
+            return
+        self._meta_key, self.meta_error = key, None
+        if self.meta is not None and meta.started_s != self.meta.started_s:
+            self.replaced = True
+        self.meta = meta
+
     def _read_tail(self, rank: int, tail: StreamTail) -> list[tuple[dict[str, Any] | None, int]]:
         try:
             size = tail.path.stat().st_size
@@ -190,7 +227,7 @@ class RunWatch:
                 "last_step": max(self.last_step.values(), default=None),
                 "ended": {str(k): v for k, v in self.ended.items()},
                 "active": sorted(self.active), "captures": len(self.captures_seen),
-                "error": self.error, "bad_lines": self.bad_lines,
+                "error": self.error or self.meta_error, "bad_lines": self.bad_lines,
                 "agent_warnings": self.agent_errors[-3:]}
 
     # ---------------------------------------------------------- persistence
@@ -208,7 +245,8 @@ class RunWatch:
                 "active": self.active, "captures_seen": sorted(self.captures_seen),
                 "last_step": {str(r): s for r, s in self.last_step.items()},
                 "ended": {str(r): v for r, v in self.ended.items()},
-                "last_alert_s": self.last_alert_s}
+                "last_alert_s": self.last_alert_s,
+                "started_s": self.meta.started_s if self.meta else None}
 
     def restore(self, saved: dict[str, Any]) -> None:
         """Resume from :meth:`progress` output (offsets past records already evaluated)."""
@@ -224,6 +262,32 @@ class RunWatch:
         self.ended = {_as_int(r): str(v) for r, v in saved.get("ended", {}).items()}
         self.last_alert_s = {str(k): float(v) for k, v in (saved.get("last_alert_s") or {}).items()
                              if isinstance(v, (int, float))}
+
+
+#: A temp capture untouched this long, of a process that is gone, will never be finished.
+STALE_TMP_AGE_S = 60.0
+
+
+def stale_temp_captures(rw: RunWatch, now_s: float, this_host: str,
+                        alive: Callable[[int], bool]) -> list[Path]:
+    """``capture-rank<R>-*.h5.tmp`` files of ``rw`` a killed training process left behind.
+
+    A temp file is stale when it is a regular file (never a symlink: deleting through one would
+    remove a file elsewhere), older than :data:`STALE_TMP_AGE_S`, and rank R's process ran on
+    this host and is no longer alive. Files of other hosts' ranks are left to their daemon.
+    """
+    out = []
+    for rank, pid in rw.pids.items():
+        if not pid or rw.hosts.get(rank) != this_host or alive(pid):
+            continue
+        for p in RunDir(rw.run_dir).unfinished_captures(rank):
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and now_s - st.st_mtime >= STALE_TMP_AGE_S:
+                out.append(p)
+    return out
 
 
 def save_progress(path: Path, rw: RunWatch) -> None:

@@ -52,6 +52,7 @@ from sentineld.stream import StreamWriter
 from .config import AgentConfig, default_runs_dir
 from .exporter import Latest, start_exporter
 from .exits import EXITS
+from .localize_live import make_localizer
 from .ring import Ring, RingEntry, Snapshot, to_host, tree_nbytes
 from .runinfo import default_run_id, dist_rank, torch_flags, unused_run_id, unwrap
 
@@ -97,6 +98,9 @@ class Watch:
         scaler: Any = None,
         num_classes: int | None = None,
         accumulation_steps: int = 1,
+        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+        localize: str = "thread",
+        clip_grad_norm: float | None = None,
         config: AgentConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
         wall_clock: Callable[[], float] = time.time,
@@ -122,6 +126,9 @@ class Watch:
         self.captures: list[Path] = []
         self.snapshot_every = self.config.snapshot_every or self.config.min_snapshot_every
         self._auto_k = self.config.snapshot_every == 0
+        self._live = make_localizer(localize, self._inner, optimizer, loss_fn, recipe, self.config.window,
+                                    run_id, scheduler=scheduler, scaler=scaler, num_classes=num_classes,
+                                    accumulation_steps=accumulation_steps, clip_grad_norm=clip_grad_norm)
 
         try:
             json.dumps(dict(recipe_args or {}), allow_nan=False)
@@ -134,7 +141,8 @@ class Watch:
             write_run_meta(self.run_dir, RunMeta(
                 run_id=run_id, recipe=recipe, recipe_args=dict(recipe_args or {}), rank=self.rank,
                 world_size=world, torch_version=str(torch.__version__), num_threads=torch.get_num_threads(),
-                num_classes=num_classes, started_s=wall_clock(), extra={"torch_flags": torch_flags()}))
+                num_classes=num_classes, started_s=wall_clock(),
+                extra={"torch_flags": torch_flags(), "localize": localize if self._live else "off"}))
             self.stream = StreamWriter(stream_path(self.run_dir, self.rank), self.config.flush_s)
         except OSError as exc:
             # Monitoring must not stop the training it watches: run on, switched off.
@@ -145,6 +153,8 @@ class Watch:
             self.run_dir = parent / run_id
             self.stream = StreamWriter(os.devnull, self.config.flush_s)
         self.run_id = run_id
+        if self._live is not None:
+            self._live.run_id = run_id
         self.stream.put({"kind": "start", "run_id": run_id, "rank": self.rank, "pid": os.getpid(),
                          "host": socket.gethostname(), "time_s": wall_clock()}, urgent=True)
         self.latest = Latest()
@@ -198,7 +208,7 @@ class Watch:
         self._probe_param = min((p for p in model.parameters() if p.requires_grad and id(p) in opt_params),
                                 key=lambda p: p.numel(), default=None)
         self._hooks = [
-            model.register_forward_pre_hook(self._on_forward),
+            model.register_forward_pre_hook(self._on_forward, with_kwargs=True),
             optimizer.register_step_pre_hook(self._on_optimizer_step),
         ]
         if self._probe_param is not None and not self._accumulating:
@@ -213,11 +223,13 @@ class Watch:
         EXITS.register(self)
 
     # ----------------------------------------------------------------- hooks
-    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+    def _on_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if not self.enabled or self._step_started or not (module.training and torch.is_grad_enabled()):
             return
         try:
             self._step_started = True
+            if self._live is not None:
+                self._live.on_forward(self._n, args, kwargs, self._snapshot_due)
             if self._snapshot_due:
                 self._take_snapshot(self._n)
             self._rng = capture_rng()
@@ -469,6 +481,8 @@ class Watch:
         self.latest.captures_total += 1
         self.stream.put({"kind": "capture", "step": step, "trigger": trigger, "path": path.name,
                          "snapshot_step": snap.step}, urgent=True)
+        if self._live is not None:
+            self._live.after_capture(path, trigger, step, snap, entries)
 
     def capture_now(self, trigger: str = "manual", message: str = "") -> None:
         """Write the ring buffer as a capture ending at the newest step (e.g. before a risky change)."""

@@ -46,6 +46,7 @@ from .delivery import LOG_TARGET, Destination, SecretFilter, deliver_due, destin
 from .diskring import recover_ring, ring_state
 from .messages import alert_text, recovery_text, replay_failed_text, verdict_text
 from .outbox import Notification, Outbox, notification_id
+from .inprocess import InProcessVerdicts
 from .replayer import ReplayOutcome, run_replay_subprocess
 from .rundir import make_private_dir, parse_capture_name
 from .runwatch import Active, RunWatch, load_progress, merge_verdicts, save_progress, transitions
@@ -143,6 +144,7 @@ class Daemon:
         self.replays_dir = make_private_dir(self.state_dir / "replays")
         self.runs: dict[str, RunWatch] = {}
         self.replay_queue: queue.Queue[tuple[RunWatch, Path]] = queue.Queue()
+        self._inprocess = InProcessVerdicts(timeout_s=config.replay_timeout_s)
         self.recover_queue: queue.Queue[tuple[RunWatch, Path]] = queue.Queue()
         self.started_s = clock()
         self.alerts_sent = 0
@@ -651,6 +653,8 @@ class Daemon:
             record = self._replay_record(rw, cap)
             if record.exists() or rw.meta is None:
                 continue
+            if self._in_process_verdict(rw, cap, record):
+                continue
             log.info("run %s: replaying %s", rw.run_id, cap.name)
             try:
                 outcome = run_replay_subprocess(rw.meta, rw.run_dir, cap, timeout_s=self.cfg.replay_timeout_s,
@@ -662,6 +666,19 @@ class Daemon:
                 self._queued.discard(str(cap))
                 return  # cut short by our own shutdown: it runs again after a restart
             self._finish_replay(rw, cap, outcome, record)
+
+    def _in_process_verdict(self, rw: RunWatch, cap: Path, record: Path) -> bool:
+        """True when the training process's own verdict for ``cap`` was delivered, or is still
+        awaited (``cap`` re-queued); False: the daemon replays it itself."""
+        decision, outcome = self._inprocess.decide(rw.meta, cap)
+        if decision == "wait":
+            time.sleep(0.05)
+            self.replay_queue.put((rw, cap))
+            return True
+        if outcome is not None:
+            self._finish_replay(rw, cap, outcome, record)
+            return True
+        return False
 
     def _finish_replay(self, rw: RunWatch, cap: Path, outcome: ReplayOutcome, record: Path) -> None:
         self.replays_run += 1

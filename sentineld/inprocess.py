@@ -1,0 +1,128 @@
+"""Verdicts the training process wrote itself (``attach(..., loss_fn=)``), and how the daemon uses them.
+
+A run attached with ``loss_fn=`` (or with neither ``loss_fn`` nor a recipe: forward-only) localizes
+its own incidents while it lives and writes the verdict next to the capture:
+``capture-rank<R>-step<N>-<trigger>.verdict.json``. Its content is either the report of
+``sentineld replay --json`` or ``{"result": "failed", "reason": ...}``. Such a run says so in
+``run.json`` (``extra.localize``); for its captures the daemon waits for the file instead of
+spawning a replay of its own, and falls back to its own replay (when the run named a recipe) if
+the file says the localization failed, or the training process ended without writing it, or it
+did not come within ``timeout_s``.
+
+Light on purpose: the daemon imports it without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from .replayer import ReplayOutcome
+from .rundir import RunMeta
+
+__all__ = ["verdict_path", "write_verdict", "InProcessVerdicts", "LOCALIZE_MODES"]
+
+#: ``attach(localize=)`` values: ``thread`` localizes in a background thread of the training
+#: process; ``off`` leaves it to the daemon's replay (which needs a recipe).
+LOCALIZE_MODES = ("thread", "off")
+
+
+def verdict_path(capture: Path) -> Path:
+    """Where the training process writes its verdict for ``capture``."""
+    return capture.with_name(capture.name.removesuffix(".h5") + ".verdict.json")
+
+
+def write_verdict(capture: Path, payload: dict[str, Any] | str) -> Path:
+    """Write the verdict for ``capture`` atomically (temp file, fsync, rename; mode 0600).
+
+    Args:
+        payload: the report's strict JSON text, or a dict (``{"result": "failed", "reason": ...}``).
+    """
+    dest = verdict_path(capture)
+    text = payload if isinstance(payload, str) else json.dumps(payload, allow_nan=False)
+    tmp = dest.with_name(dest.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, dest)
+    return dest
+
+
+def _classify(report: dict[str, Any]) -> str:
+    if not report.get("reproduced", False):
+        return "not_reproduced"
+    return "not_localized" if report.get("phase") == "none" else "localized"
+
+
+def _alive(meta: RunMeta) -> bool:
+    if meta.host != socket.gethostname():
+        return True  # cannot tell from here: wait for the timeout
+    try:
+        os.kill(meta.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class InProcessVerdicts:
+    """The daemon's decisions for captures of runs that localize in process.
+
+    Args:
+        timeout_s: most seconds to wait for a verdict file after the capture was first seen.
+        clock: monotonic seconds (tests pass a fake one).
+    """
+
+    def __init__(self, timeout_s: float, clock: Any = time.monotonic) -> None:
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.first_seen: dict[str, float] = {}
+
+    def decide(self, meta: RunMeta, capture: Path) -> tuple[str, ReplayOutcome | None]:
+        """``("deliver", outcome)``, ``("wait", None)`` or ``("spawn", None)`` (the daemon's own replay)."""
+        mode = meta.extra.get("localize") if isinstance(meta.extra, dict) else None
+        if mode in (None, "off"):
+            return "spawn", None
+        key = str(capture)
+        t0 = self.first_seen.setdefault(key, self.clock())
+        path = verdict_path(capture)
+        payload = _read(path)
+        if payload is None:
+            if _alive(meta) and self.clock() - t0 < self.timeout_s:
+                return "wait", None
+            reason = ("the training process ended without writing its verdict" if not _alive(meta)
+                      else f"the training process wrote no verdict within {self.timeout_s:g} s")
+            return self._fallback(meta, key, reason)
+        if isinstance(payload.get("phase"), str) and "schema_version" in payload:
+            self.first_seen.pop(key, None)
+            elapsed = float(payload.get("elapsed_s") or 0.0)
+            return "deliver", ReplayOutcome(_classify(payload), payload, "", elapsed, 0)
+        return self._fallback(meta, key, f"the training process's localization failed: "
+                                         f"{str(payload.get('reason', payload))[:1500]}")
+
+    def _fallback(self, meta: RunMeta, key: str, reason: str) -> tuple[str, ReplayOutcome | None]:
+        self.first_seen.pop(key, None)
+        if meta.recipe:
+            return "spawn", None
+        return "deliver", ReplayOutcome("failed", None, reason + "; the run named no recipe, so the "
+                                        "daemon cannot replay it (pass recipe= to attach)", 0.0, None)
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(8 << 20)
+    except OSError:
+        return None
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return {"result": "failed", "reason": f"{path.name} is not JSON"}
+    return obj if isinstance(obj, dict) else {"result": "failed", "reason": f"{path.name} is not an object"}

@@ -67,6 +67,8 @@ def verdict_text(report: Mapping[str, Any]) -> tuple[str, str]:
     ev = report.get("evidence") or {}
     if phase == "data" and ev.get("field"):
         lines.append(f"field: {ev['field']} samples: {ev.get('samples')}")
+    if ev.get("not_checked"):  # a forward-only verdict (no loss_fn, no recipe)
+        lines.append(f"not checked: {', '.join(map(str, ev['not_checked']))}; to check them, {ev.get('how_to_enable', '')}")
     return title, "\n".join(lines) + "\n"
 
 

@@ -89,8 +89,14 @@ def loss_for(fault: str) -> Any:
 
 
 def train(runs_dir: Path, run_id: str, fault: str, steps: int = 24, localize: str = "thread",
-          seed: int = 0, step_sleep_s: float = 0.0) -> dict[str, Any]:
-    """Train one loop; returns ``{"watch", "model", "optimizer", "nan_time_s", "step_s", ...}``."""
+          seed: int = 0, step_sleep_s: float = 0.0, no_loss_fn: bool = False,
+          until_verdict: bool = False) -> dict[str, Any]:
+    """Train one loop; returns ``{"watch", "model", "optimizer", "nan_time_s", "step_s", ...}``.
+
+    ``until_verdict``: go on past ``steps`` until the verdict file exists (at most 2000 steps), so
+    the localization surely ran while training did; ``steps_run`` says how many ran.
+    """
+    from sentineld.inprocess import verdict_path
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed + 1)
     model = Net(fault)
@@ -99,12 +105,16 @@ def train(runs_dir: Path, run_id: str, fault: str, steps: int = 24, localize: st
     sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: math.inf if s == FAULT_STEP else 1.0)
              if fault == "lr" else None)
     loss_fn = loss_for(fault)
-    kwargs: dict[str, Any] = {} if fault == "forward_only" else {"loss_fn": loss_fn}
+    kwargs: dict[str, Any] = {} if fault == "forward_only" or no_loss_fn else {"loss_fn": loss_fn}
     watch = attach(model, opt, run_id=run_id, runs_dir=runs_dir, metrics_port=0, localize=localize,
                    snapshot_every=5, scheduler=sched, **kwargs)
     nan_time = None
     step_s: list[float] = []
-    for step in range(steps):
+    step = 0
+    verdict_seen_at = None
+    while step < steps or (until_verdict and verdict_seen_at is None and step < 2000):
+        if until_verdict and verdict_seen_at is None and watch.captures and verdict_path(watch.captures[0]).exists():
+            verdict_seen_at = step
         t0 = time.perf_counter()
         x, y = make_batch(step, fault, gen)
         if step == FAULT_STEP and fault in ("loss", "backward", "optimizer"):
@@ -121,9 +131,10 @@ def train(runs_dir: Path, run_id: str, fault: str, steps: int = 24, localize: st
         if step == FAULT_STEP:
             nan_time = time.time()
         step_s.append(time.perf_counter() - t0)
+        step += 1
     watch.close()
     return {"watch": watch, "model": model, "optimizer": opt, "nan_time_s": nan_time, "step_s": step_s,
-            "rng_after": torch.get_rng_state()}
+            "rng_after": torch.get_rng_state(), "steps_run": step, "verdict_seen_at": verdict_seen_at}
 
 
 def main() -> None:

@@ -1,0 +1,124 @@
+"""The training process localizes its own incidents (``attach(..., loss_fn=)``): real training with a
+planted fault, real captures, the verdict file the daemon delivers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sentineld.inprocess import verdict_path
+from sentineld.rundir import list_captures, read_run_meta
+from tests.replay.livecases import FAULT_STEP, train
+
+
+def _verdict(run_dir: Path) -> dict:
+    caps = [c for c in list_captures(run_dir) if c[2] == "nonfinite"]
+    assert caps, f"no nonfinite capture in {sorted(p.name for p in run_dir.iterdir())}"
+    path = verdict_path(caps[0][3])
+    assert path.exists(), "the training process wrote no verdict"
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("fault, phase, module, op, step, node", [
+    ("forward", "forward", "feats", "aten.log", FAULT_STEP, None),
+    ("loss", "forward", "loss", "aten.log", FAULT_STEP, None),
+    ("backward", "backward", "loss", "aten.div", FAULT_STEP, "SqrtBackward0"),
+    # RatioSGD divides a zero gradient by its zero norm; seen one step later (NaN loss), named at its step.
+    ("optimizer", "optimizer", "fc1", "aten.div", FAULT_STEP, None),
+    # The scheduler sets lr=inf for the next step: recorded (and named) at the step that set it.
+    ("lr", "optimizer", "lr_scheduler", "lr", FAULT_STEP - 1, None),
+    ("data", "data", None, None, FAULT_STEP, None),
+])
+def test_loss_fn_run_names_phase_module_op_and_step(tmp_path, fault, phase, module, op, step, node):
+    out = train(tmp_path, f"live-{fault}", fault)
+    v = _verdict(out["watch"].run_dir)
+    assert (v["phase"], v["module"], v["op"], v["step"]) == (phase, module, op, step), v
+    assert v["reproduced"] is True and v["max_loss_deviation"] == 0.0
+    assert v["autograd_node"] == node
+    assert v["run_id"] == f"live-{fault}" and v["schema_version"] == 1
+    assert v["evidence"]["in_process"]["mode"] == "thread"
+    assert v["evidence"]["torch_flags"]["unisolated_random_ops"] == []
+    if fault == "data":
+        assert v["evidence"]["field"] == "batch[0]" and v["evidence"]["samples"] == [2]
+    if fault == "forward":
+        # the rebuild re-ran the steps since the snapshot (with dropout) bit for bit
+        assert v["steps_rebuilt"] >= 1 and len(v["evidence"]["rebuilt_losses"]) == v["steps_rebuilt"] + 1
+    assert read_run_meta(out["watch"].run_dir).extra["localize"] == "thread"
+
+
+def test_without_loss_fn_or_recipe_a_forward_nan_is_named_and_the_gaps_are_said(tmp_path):
+    out = train(tmp_path, "live-fwd-only", "forward_only")
+    v = _verdict(out["watch"].run_dir)
+    assert (v["phase"], v["module"], v["module_type"], v["op"], v["step"]) == \
+        ("forward", "feats", "LogFeatures", "aten.log", FAULT_STEP)
+    assert v["reproduced"] is True
+    ev = v["evidence"]
+    assert ev["mode"] == "forward_only" and ev["checked"] == ["forward"]
+    assert ev["not_checked"][:3] == ["loss", "backward", "optimizer step"]
+    assert "loss_fn=" in ev["how_to_enable"] and "recipe=" in ev["how_to_enable"]
+    assert "not checked" in ev["warning"]
+
+
+def test_forward_only_says_so_when_the_forward_is_finite(tmp_path):
+    # The loss fault lives in the loss function, which a forward-only run never sees.
+    from tests.replay import livecases
+
+    out = livecases.train(tmp_path, "live-fwd-only-loss", "loss", localize="thread", no_loss_fn=True)
+    v = _verdict(out["watch"].run_dir)
+    assert v["phase"] == "none" and v["reproduced"] is False
+    assert "loss_fn=" in v["fix"]
+    assert "finite" in v["cause"]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.int32)
+
+
+def test_localization_leaves_training_bitwise_unchanged(tmp_path):
+    # Same loop (dropout draws from the global generator every step), once with the localization
+    # running in the background during the steps after the fault, once with it off.
+    on = train(tmp_path / "on", "rng-on", "data", steps=20, localize="thread", until_verdict=True)
+    assert on["verdict_seen_at"] is not None and on["verdict_seen_at"] > FAULT_STEP + 2  # it overlapped
+    off = train(tmp_path / "off", "rng-off", "data", steps=on["steps_run"], localize="off")
+    assert off["steps_run"] == on["steps_run"]
+    assert verdict_path(on["watch"].captures[0]).exists()
+    assert not any(p.name.endswith(".verdict.json") for p in (off["watch"].run_dir).iterdir())
+    assert torch.equal(on["rng_after"], off["rng_after"])
+    for (n, a), (_, b) in zip(on["model"].named_parameters(), off["model"].named_parameters()):
+        assert torch.equal(_bits(a), _bits(b)), n
+    streams = []
+    for r in (on, off):
+        lines = (r["watch"].run_dir / "stream-rank0.jsonl").read_text().splitlines()
+        streams.append([json.loads(x)["loss"] for x in lines if json.loads(x).get("kind") == "step"])
+    assert json.dumps(streams[0]) == json.dumps(streams[1])  # NaN-aware, bit-for-bit as text
+
+
+def test_localize_off_and_bad_settings(tmp_path):
+    from sentineld.agent import attach
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="localize must be one of"):
+        attach(model, opt, runs_dir=tmp_path, metrics_port=0, localize="process")
+    with pytest.raises(ValueError, match="loss_fn must be a function"):
+        attach(model, opt, runs_dir=tmp_path, metrics_port=0, loss_fn=3)
+    w = attach(model, opt, runs_dir=tmp_path, metrics_port=0, localize="off", run_id="off")
+    assert w._live is None and read_run_meta(w.run_dir).extra["localize"] == "off"
+    w.close()
+    # A recipe and no loss_fn: the daemon's replay does it, as before.
+    w = attach(model, opt, runs_dir=tmp_path, metrics_port=0, recipe="m:f", run_id="rec")
+    assert w._live is None and read_run_meta(w.run_dir).extra["localize"] == "off"
+    w.close()
+
+
+def test_memory_estimate_is_model_plus_adam_state(tmp_path):
+    from sentineld.agent import attach
+
+    model = torch.nn.Linear(100, 50)  # 5050 float32 parameters
+    opt = torch.optim.Adam(model.parameters())
+    w = attach(model, opt, runs_dir=tmp_path, metrics_port=0, loss_fn=lambda m, b: m(b).sum())
+    assert w._live.memory_bytes == 5050 * 4 * 3  # parameters + exp_avg + exp_avg_sq
+    w.close()

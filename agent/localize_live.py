@@ -107,6 +107,13 @@ class LiveLocalizer:
         if self.forward_only:
             self.calls.append((step, to_host(tuple(args)), to_host(dict(kwargs or {}))))
 
+    def calls_for(self, entries: list[RingEntry]) -> dict[int, Any] | None:
+        """The recorded forward calls of ``entries``' steps, for the capture (forward-only runs)."""
+        if not self.forward_only:
+            return None
+        steps = {e.step for e in entries}
+        return {s: {"args": a, "kwargs": k} for s, a, k in list(self.calls) if s in steps}
+
     # ------------------------------------------------------------ at an incident
     def after_capture(self, path: Path, trigger: str, step: int, snap: Snapshot, entries: list[RingEntry]) -> None:
         """Localize the capture at ``path`` and write its verdict (runs in the capture thread).

@@ -142,7 +142,8 @@ class Watch:
                 run_id=run_id, recipe=recipe, recipe_args=dict(recipe_args or {}), rank=self.rank,
                 world_size=world, torch_version=str(torch.__version__), num_threads=torch.get_num_threads(),
                 num_classes=num_classes, started_s=wall_clock(),
-                extra={"torch_flags": torch_flags(), "localize": localize if self._live else "off"}))
+                extra={"torch_flags": torch_flags(), "localize": localize if self._live else "off",
+                       "model_class": f"{type(self._inner).__module__}:{type(self._inner).__qualname__}"}))
             self.stream = StreamWriter(stream_path(self.run_dir, self.rank), self.config.flush_s)
         except OSError as exc:
             # Monitoring must not stop the training it watches: run on, switched off.
@@ -470,7 +471,7 @@ class Watch:
                 snapshot_step=snap.step, snapshot=snap.state,
                 steps=[CaptureStep(e.step, e.batch, e.rng) for e in entries],
                 records=[e.record for e in entries if e.record is not None], grads=grads,
-                message=message)
+                message=message, forward_calls=self._live.calls_for(entries) if self._live else None)
         except Exception as exc:  # noqa: BLE001 - disk full etc.: training goes on
             log.warning("sentineld: capture %s not written: %s (training continues)", path.name, exc)
             self.stream.put({"kind": "agent_warning", "step": step,
@@ -596,6 +597,12 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: A
         scheduler, scaler: the LR scheduler and GradScaler, so snapshots include their state.
         num_classes: C of a C-class loss (enables the ln(C) initial-loss check).
         accumulation_steps: micro-batches per optimizer step (>1 disables the carried-grads check).
+        loss_fn: ``(model, batch) -> scalar loss`` as the loop computes it: the training process
+            then localizes its own incidents (see :mod:`sentineld.agent.localize_live`), no recipe
+            needed. Without it and without a recipe, forward NaNs are still localized.
+        localize: ``"thread"`` (default: in a background thread after the capture; memory: a
+            second copy of model + optimizer state while it runs, logged at attach) or ``"off"``.
+        clip_grad_norm: the max norm the loop clips gradients to, for the in-process replay.
         config: :class:`AgentConfig`, or pass its fields as keywords (e.g. ``metrics_port=0``).
 
     Raises:

@@ -135,6 +135,10 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
     meta = read_run_meta(run_dir)
     cap_path = Path(capture) if capture else find_capture(run_dir, step, rank)
     named_by = [p for p in (run_dir / "run.json", cap_path) if p.exists()]
+    if not (spec or meta.recipe):  # a run with neither recipe nor loss_fn: forward-only
+        from .forward_replay import replay_forward_only  # noqa: PLC0415
+
+        return replay_forward_only(meta, cap_path, trust, named_by)
     flags = meta.extra.get("torch_flags") if isinstance(meta.extra, dict) else None
     report = replay_capture(
         cap_path, lambda: _factory(meta, spec, trust, named_by), step,

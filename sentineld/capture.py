@@ -186,6 +186,7 @@ def write_capture(
     records: Iterable[Mapping[str, Any]],
     grads: Mapping[str, Any] | None = None,
     message: str = "",
+    forward_calls: Mapping[int, Any] | None = None,
 ) -> Path:
     """Write a capture atomically (temp name, fsync, rename) and return its final path.
 
@@ -195,6 +196,9 @@ def write_capture(
         steps: the steps ``snapshot_step..first_step`` (at least), with batches and RNG states.
         records: per-step scalar records (JSON-ready dicts).
         grads: parameter name -> gradient tensor at ``first_step`` (optional evidence).
+        forward_calls: step -> ``{"args": tuple, "kwargs": dict}`` of the model's top-level forward
+            (recorded for runs with neither loss_fn nor recipe; optional). A call holding a value
+            with no JSON form is left out, never the capture.
 
     Raises:
         OSError: the file cannot be written (permissions; a full disk gives ``errno.ENOSPC`` and a
@@ -223,10 +227,27 @@ def write_capture(
             for i, t in enumerate(grads.values()):
                 arr, dtype = _tensor_to_numpy(t)
                 gg.create_dataset(str(i), data=arr).attrs["torch_dtype"] = dtype
+        if forward_calls:
+            _write_forward(f.create_group("forward"), forward_calls)
 
     estimate = tree_bytes(dict(snapshot)) + sum(tree_bytes(st.batch) for st in steps) + tree_bytes(grads or {})
     write_h5_atomic(path, fill, estimate, durable=True, what="capture")
     return path
+
+
+def _write_forward(group: Any, calls: Mapping[int, Any]) -> None:
+    """``/forward/<step>/tree`` + tensors, like a batch; calls that cannot be encoded are skipped."""
+    for step, call in calls.items():
+        tensors: list[Any] = []
+        try:
+            text = json.dumps(encode(call, tensors))
+        except (TreeCodecError, TypeError, ValueError):
+            continue
+        g = group.create_group(str(step))
+        g.create_dataset("tree", data=text)
+        for i, t in enumerate(tensors):
+            arr, dtype = _tensor_to_numpy(t)
+            g.create_dataset(str(i), data=arr).attrs["torch_dtype"] = dtype
 
 
 #: HDF5 files up to this size are built in memory and written with plain ``write()`` calls, so a
@@ -405,6 +426,13 @@ class Capture:
                     for i, n in enumerate(names)}
 
         return self._guard(load, "grads")
+
+    def forward_calls(self) -> dict[int, Any]:
+        """step -> ``{"args": tuple, "kwargs": dict}`` of the model's recorded top-level forward
+        calls ({} when the run recorded none)."""
+        if not self._guard(lambda: "forward" in self._f, "forward"):
+            return {}
+        return self._guard(lambda: {int(k): _read_tree(g) for k, g in self._f["forward"].items()}, "forward")
 
     def _guard(self, fn: Any, what: str) -> Any:
         try:

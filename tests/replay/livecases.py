@@ -33,7 +33,7 @@ class LogFeatures(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, fault: str) -> None:
+    def __init__(self, fault: str = "none") -> None:  # no required argument: replayable without a recipe
         super().__init__()
         self.fault = fault
         self.fc1 = nn.Linear(8, 16)

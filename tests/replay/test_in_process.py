@@ -122,3 +122,29 @@ def test_memory_estimate_is_model_plus_adam_state(tmp_path):
     w = attach(model, opt, runs_dir=tmp_path, metrics_port=0, loss_fn=lambda m, b: m(b).sum())
     assert w._live.memory_bytes == 5050 * 4 * 3  # parameters + exp_avg + exp_avg_sq
     w.close()
+
+
+def test_cli_replay_of_a_run_without_recipe_is_forward_only_from_the_capture(tmp_path):
+    """After the process is gone, `sentineld replay` gives the same forward-only verdict from the
+    forward calls recorded in the capture and the model class recorded in run.json."""
+    import subprocess
+    import sys
+
+    from sentineld.capture import open_capture
+    from tests.conftest import REPO
+
+    out = train(tmp_path, "cli-fwd-only", "forward_only", localize="thread")
+    run_dir = out["watch"].run_dir
+    cap = next(c[3] for c in list_captures(run_dir) if c[2] == "nonfinite")
+    with open_capture(cap) as c:
+        calls = c.forward_calls()
+        assert sorted(calls) == c.steps and torch.equal(calls[FAULT_STEP]["args"][0][:, 0], torch.full((6,), -1000.0))
+    proc = subprocess.run([sys.executable, "-m", "sentineld", "replay", str(run_dir), "--json"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    v = json.loads(proc.stdout)
+    assert (v["phase"], v["module"], v["op"], v["step"], v["reproduced"]) == \
+        ("forward", "feats", "aten.log", FAULT_STEP, True)
+    assert v["evidence"]["mode"] == "forward_only"
+    own = json.loads(verdict_path(cap).read_text())
+    assert (own["phase"], own["module"], own["op"], own["step"]) == (v["phase"], v["module"], v["op"], v["step"])

@@ -446,7 +446,10 @@ class Watch:
 
     def _capture(self, trigger: str, step: int, grads: dict[str, torch.Tensor] | None,
                  message: str, last: int | None = None) -> None:
-        span = self._ring.span(step if last is None else last, before=step)
+        end = step if last is None else last
+        # A snapshot taken at step N holds the state step N-1 made: when N-1's optimizer step
+        # broke the parameters (seen only in N's loss) it is already corrupt, so prefer the one before.
+        span = (self._ring.span(end, before=step - 1) if step > 0 else None) or self._ring.span(end, before=step)
         if span is None:
             log.warning("sentineld: step %d is not in the ring buffer (window %d); no capture",
                         step, self.config.window)

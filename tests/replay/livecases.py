@@ -61,10 +61,10 @@ class RatioSGD(torch.optim.Optimizer):
                     p.sub_(group["lr"] * p.grad / p.grad.norm())
 
 
-def make_batch(step: int, fault: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(step: int, fault: str, gen: torch.Generator, fault_step: int = FAULT_STEP) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(6, 8, generator=gen)
     y = torch.randint(0, 3, (6,), generator=gen)
-    if step == FAULT_STEP:
+    if step == fault_step:
         if fault == "data":
             x[2, 5] = float("nan")
         elif fault in ("forward", "forward_only"):
@@ -90,7 +90,7 @@ def loss_for(fault: str) -> Any:
 
 def train(runs_dir: Path, run_id: str, fault: str, steps: int = 24, localize: str = "thread",
           seed: int = 0, step_sleep_s: float = 0.0, no_loss_fn: bool = False,
-          until_verdict: bool = False) -> dict[str, Any]:
+          until_verdict: bool = False, fault_step: int = FAULT_STEP) -> dict[str, Any]:
     """Train one loop; returns ``{"watch", "model", "optimizer", "nan_time_s", "step_s", ...}``.
 
     ``until_verdict``: go on past ``steps`` until the verdict file exists (at most 2000 steps), so
@@ -102,7 +102,7 @@ def train(runs_dir: Path, run_id: str, fault: str, steps: int = 24, localize: st
     model = Net(fault)
     opt = RatioSGD(model.parameters()) if fault == "optimizer" else torch.optim.Adam(model.parameters(), lr=1e-2)
     # The lr fault: the scheduler sets an infinite learning rate for step FAULT_STEP.
-    sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: math.inf if s == FAULT_STEP else 1.0)
+    sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: math.inf if s == fault_step else 1.0)
              if fault == "lr" else None)
     loss_fn = loss_for(fault)
     kwargs: dict[str, Any] = {} if fault == "forward_only" or no_loss_fn else {"loss_fn": loss_fn}
@@ -116,8 +116,8 @@ def train(runs_dir: Path, run_id: str, fault: str, steps: int = 24, localize: st
         if until_verdict and verdict_seen_at is None and watch.captures and verdict_path(watch.captures[0]).exists():
             verdict_seen_at = step
         t0 = time.perf_counter()
-        x, y = make_batch(step, fault, gen)
-        if step == FAULT_STEP and fault in ("loss", "backward", "optimizer"):
+        x, y = make_batch(step, fault, gen, fault_step)
+        if step == fault_step and fault in ("loss", "backward", "optimizer"):
             x[:, 1] = 1000.0
         opt.zero_grad()
         loss = loss_fn(model, (x, y))
@@ -128,7 +128,7 @@ def train(runs_dir: Path, run_id: str, fault: str, steps: int = 24, localize: st
         watch.step(loss, (x, y))
         if step_sleep_s:
             time.sleep(step_sleep_s)
-        if step == FAULT_STEP:
+        if step == fault_step:
             nan_time = time.time()
         step_s.append(time.perf_counter() - t0)
         step += 1

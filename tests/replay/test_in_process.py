@@ -160,3 +160,38 @@ def test_optimizer_fault_seen_at_a_snapshot_step_is_replayed_from_the_snapshot_b
     v = _verdict(out["watch"].run_dir)
     assert (v["phase"], v["module"], v["op"], v["step"]) == ("optimizer", "fc1", "aten.div", 14), v
     assert v["evidence"]["snapshot_step"] == 10 and v["reproduced"] is True
+
+
+def test_accumulation_clipping_and_grad_scaler_replay_bitwise(tmp_path):
+    """The in-process replay does what the loop did: 2 micro-batches, clipping, a GradScaler."""
+    import torch.nn.functional as F
+
+    from sentineld.agent import attach
+    from tests.replay.livecases import Net, make_batch
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    model, scaler = Net(), torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def loss_fn(m, b):
+        return F.cross_entropy(m(b[0]), b[1])
+
+    watch = attach(model, opt, run_id="acc", runs_dir=tmp_path, metrics_port=0, loss_fn=loss_fn, scaler=scaler,
+                   accumulation_steps=2, clip_grad_norm=0.05, snapshot_every=5)
+    for step in range(FAULT_STEP + 4):
+        micro = [make_batch(step, "forward" if i == 1 else "none", gen) for i in range(2)]
+        opt.zero_grad(set_to_none=True)
+        for mb in micro:
+            loss = loss_fn(model, mb)
+            scaler.scale(loss / 2).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        scaler.step(opt)
+        scaler.update()
+        watch.step(loss, micro)
+    watch.close()
+    v = _verdict(watch.run_dir)
+    assert (v["phase"], v["module"], v["op"], v["step"]) == ("forward", "feats", "aten.log", FAULT_STEP), v
+    assert v["reproduced"] is True and v["steps_rebuilt"] == FAULT_STEP - v["evidence"]["snapshot_step"] >= 1
+    assert v["evidence"]["micro_batch"] == 1

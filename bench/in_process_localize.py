@@ -5,7 +5,7 @@ Trains the planted-forward-fault loop of ``tests/replay/livecases.py`` (each ste
 process has written its verdict, then prints: seconds from the NaN step to the verdict file, the
 memory of the second copy, and the step times before the incident and while the localization ran.
 
-    .venv/bin/python bench/in_process_localize.py [--step-ms 10] [--fault forward]
+    .venv/bin/python bench/in_process_localize.py [--step-ms 10] [--fault forward] [--hidden 1024]
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--step-ms", type=float, default=10.0)
     ap.add_argument("--fault", default="forward")
+    ap.add_argument("--hidden", type=int, default=16, help="width of the model (1024: ~1.1 M parameters)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = train(Path(tmp), "bench", a.fault, steps=FAULT_STEP + 4, step_sleep_s=a.step_ms / 1000,
-                    until_verdict=True)
+                    until_verdict=True, hidden=a.hidden)
         w = out["watch"]
         vfile = verdict_path(w.captures[0])
         v = json.loads(vfile.read_text())

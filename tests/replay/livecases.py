@@ -33,16 +33,17 @@ class LogFeatures(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, fault: str = "none") -> None:  # no required argument: replayable without a recipe
+    def __init__(self, fault: str = "none", hidden: int = 16) -> None:  # replayable without a recipe
         super().__init__()
         self.fault = fault
-        self.fc1 = nn.Linear(8, 16)
+        self.fc1 = nn.Linear(8, hidden)
+        self.mid = nn.Linear(hidden, hidden) if hidden > 16 else nn.Identity()  # the bench's bigger model
         self.drop = nn.Dropout(0.25)
         self.feats = LogFeatures()
-        self.fc2 = nn.Linear(16, 3)
+        self.fc2 = nn.Linear(hidden, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.drop(torch.relu(self.fc1(x)))
+        h = self.drop(torch.relu(self.mid(torch.relu(self.fc1(x)))))
         # softplus > 0, except the forward fault's batch: column 0 of x is -1000 there -> log(0).
         return self.fc2(self.feats(F.softplus(h + x[:, :1].clamp(max=0))))
 
@@ -90,7 +91,7 @@ def loss_for(fault: str) -> Any:
 
 def train(runs_dir: Path, run_id: str, fault: str, steps: int = 24, localize: str = "thread",
           seed: int = 0, step_sleep_s: float = 0.0, no_loss_fn: bool = False,
-          until_verdict: bool = False, fault_step: int = FAULT_STEP) -> dict[str, Any]:
+          until_verdict: bool = False, fault_step: int = FAULT_STEP, hidden: int = 16) -> dict[str, Any]:
     """Train one loop; returns ``{"watch", "model", "optimizer", "nan_time_s", "step_s", ...}``.
 
     ``until_verdict``: go on past ``steps`` until the verdict file exists (at most 2000 steps), so
@@ -99,7 +100,7 @@ def train(runs_dir: Path, run_id: str, fault: str, steps: int = 24, localize: st
     from sentineld.inprocess import verdict_path
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    model = Net(fault)
+    model = Net(fault, hidden)
     opt = RatioSGD(model.parameters()) if fault == "optimizer" else torch.optim.Adam(model.parameters(), lr=1e-2)
     # The lr fault: the scheduler sets an infinite learning rate for step FAULT_STEP.
     sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: math.inf if s == fault_step else 1.0)

@@ -40,7 +40,7 @@ import torch
 
 from sentineld.inprocess import LOCALIZE_MODES, write_verdict
 
-from .ring import RingEntry, Snapshot, to_host
+from .ring import RingEntry, Snapshot, to_host, tree_nbytes
 
 __all__ = ["LiveLocalizer", "make_localizer"]
 
@@ -68,7 +68,7 @@ class LiveLocalizer:
     Args:
         model: the live (unwrapped) module; optimizer: the live optimizer.
         loss_fn: ``(model, batch) -> scalar loss``, or None for forward-only.
-        window: ring steps (bounds the recorded forward calls).
+        window: ring steps (bounds the recorded forward calls, with ``max_bytes`` in settings).
         run_id: the run's id (put into the verdict).
         settings: ``scheduler``, ``scaler``, ``accumulation_steps``, ``clip_grad_norm``,
             ``num_classes`` as given to ``attach``.
@@ -82,6 +82,10 @@ class LiveLocalizer:
         self.settings = settings
         self.forward_only = loss_fn is None
         self.calls: deque[tuple[int, Any, Any]] = deque(maxlen=window + 4)
+        self._call_bytes: deque[int] = deque(maxlen=window + 4)
+        self.max_bytes = int(settings.pop("max_bytes", 1 << 62))
+        #: True once an internal error switched the localizer off.
+        self.off = False
         self.modes: dict[int, list[bool]] = {}
         self.num_threads = torch.get_num_threads()
         self.autocast: torch.dtype | None = None
@@ -96,7 +100,18 @@ class LiveLocalizer:
 
     # ------------------------------------------------------------ per step
     def on_forward(self, step: int, args: Any, kwargs: Any, snapshot_due: bool) -> None:
-        """At the first training forward of ``step`` (the agent's forward pre-hook)."""
+        """At the first training forward of ``step`` (the agent's forward pre-hook). Never raises:
+        on an error the localizer switches itself off, the rest of the agent goes on."""
+        if self.off:
+            return
+        try:
+            self._on_forward(step, args, kwargs, snapshot_due)
+        except Exception as exc:  # noqa: BLE001
+            self.off = True
+            log.error("sentineld: in-process localization off after an internal error (the agent and "
+                      "training go on): %r", exc)
+
+    def _on_forward(self, step: int, args: Any, kwargs: Any, snapshot_due: bool) -> None:
         dt = self._device_type
         self.autocast = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
         if snapshot_due:
@@ -105,7 +120,12 @@ class LiveLocalizer:
                 del self.modes[old]
             self.num_threads = torch.get_num_threads()
         if self.forward_only:
-            self.calls.append((step, to_host(tuple(args)), to_host(dict(kwargs or {}))))
+            call = (step, to_host(tuple(args)), to_host(dict(kwargs or {})))
+            self.calls.append(call)
+            self._call_bytes.append(tree_nbytes(call))
+            while len(self.calls) > 1 and sum(self._call_bytes) > self.max_bytes:  # the ring's byte bound
+                self.calls.popleft()
+                self._call_bytes.popleft()
 
     def calls_for(self, entries: list[RingEntry]) -> dict[int, Any] | None:
         """The recorded forward calls of ``entries``' steps, for the capture (forward-only runs)."""
@@ -121,7 +141,7 @@ class LiveLocalizer:
         Never raises: a failure is written as the verdict ``{"result": "failed", "reason": ...}``
         (the daemon then replays with the run's recipe, or reports the reason).
         """
-        if trigger not in _TRIGGERS:
+        if trigger not in _TRIGGERS or self.off:
             return
         t0 = time.perf_counter()
         try:
@@ -214,6 +234,11 @@ def make_localizer(mode: str, model: torch.nn.Module, optimizer: torch.optim.Opt
         raise ValueError(f"loss_fn must be a function (model, batch) -> loss, got {type(loss_fn).__name__}")
     if mode == "off" or (loss_fn is None and recipe is not None):
         return None
+    # Imported now: the localization may run while the interpreter exits (atexit, excepthook).
+    import sentineld.replay.engine  # noqa: F401, PLC0415
+    import sentineld.replay.forward_only  # noqa: F401, PLC0415
+    import sentineld.replay.inmemory  # noqa: F401, PLC0415
+    import sentineld.replay.private_rng  # noqa: F401, PLC0415
     loc = LiveLocalizer(model, optimizer, loss_fn, window, run_id, **settings)
     what = ("forward-only (no loss_fn, no recipe: loss, backward and optimizer are not checked; "
             "pass loss_fn= to check them)" if loc.forward_only else "full replay with loss_fn")

@@ -128,7 +128,8 @@ class Watch:
         self._auto_k = self.config.snapshot_every == 0
         self._live = make_localizer(localize, self._inner, optimizer, loss_fn, recipe, self.config.window,
                                     run_id, scheduler=scheduler, scaler=scaler, num_classes=num_classes,
-                                    accumulation_steps=accumulation_steps, clip_grad_norm=clip_grad_norm)
+                                    accumulation_steps=accumulation_steps, clip_grad_norm=clip_grad_norm,
+                                    max_bytes=self.config.ring_bytes)
 
         try:
             json.dumps(dict(recipe_args or {}), allow_nan=False)

@@ -195,3 +195,42 @@ def test_accumulation_clipping_and_grad_scaler_replay_bitwise(tmp_path):
     assert (v["phase"], v["module"], v["op"], v["step"]) == ("forward", "feats", "aten.log", FAULT_STEP), v
     assert v["reproduced"] is True and v["steps_rebuilt"] == FAULT_STEP - v["evidence"]["snapshot_step"] >= 1
     assert v["evidence"]["micro_batch"] == 1
+
+
+DIES = """
+import sys, torch
+from tests.replay.livecases import Net, loss_for, make_batch, FAULT_STEP
+from sentineld.agent import attach
+torch.manual_seed(0)
+gen = torch.Generator().manual_seed(1)
+model = Net()
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+loss_fn = loss_for("forward")
+watch = attach(model, opt, run_id="dies", runs_dir=sys.argv[1], metrics_port=0, loss_fn=loss_fn,
+               snapshot_every=5)
+for step in range(40):
+    x, y = make_batch(step, "forward", gen)
+    opt.zero_grad()
+    loss = loss_fn(model, (x, y))
+    loss.backward()
+    opt.step()
+    watch.step(loss, (x, y))
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"loss is {loss.item()} at step {step}")  # the run dies at once
+"""
+
+
+def test_a_run_that_dies_at_the_nan_still_leaves_its_verdict(tmp_path):
+    """The loop raises right at the NaN step (uncaught): the exit path writes the incident and
+    crash captures and waits for the localization before the process ends."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-c", DIES, str(tmp_path)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and f"RuntimeError: loss is nan at step {FAULT_STEP}" in proc.stderr, proc.stderr[-2000:]
+    v = _verdict(tmp_path / "dies")
+    assert (v["phase"], v["module"], v["op"], v["step"], v["reproduced"]) == \
+        ("forward", "feats", "aten.log", FAULT_STEP, True)

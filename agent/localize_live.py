@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from sentineld.inprocess import LOCALIZE_MODES, write_verdict
+from sentineld.inprocess import LOCALIZE_MODES, LOCALIZED_TRIGGERS, write_verdict
 
 from .ring import RingEntry, Snapshot, to_host, tree_nbytes
 
@@ -46,8 +46,6 @@ __all__ = ["LiveLocalizer", "make_localizer"]
 
 log = logging.getLogger("sentineld.agent")
 
-#: Triggers worth a verdict (a manual capture is a checkpoint, not an incident).
-_TRIGGERS = ("nonfinite", "crash")
 
 
 def _optimizer_estimate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, params_bytes: int) -> int:
@@ -141,7 +139,7 @@ class LiveLocalizer:
         Never raises: a failure is written as the verdict ``{"result": "failed", "reason": ...}``
         (the daemon then replays with the run's recipe, or reports the reason).
         """
-        if trigger not in _TRIGGERS or self.off:
+        if trigger not in LOCALIZED_TRIGGERS or self.off:
             return
         t0 = time.perf_counter()
         try:

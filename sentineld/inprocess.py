@@ -22,13 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from .replayer import ReplayOutcome
-from .rundir import RunMeta
+from .rundir import RunMeta, parse_capture_name
 
-__all__ = ["verdict_path", "write_verdict", "InProcessVerdicts", "LOCALIZE_MODES"]
+__all__ = ["verdict_path", "write_verdict", "InProcessVerdicts", "LOCALIZE_MODES", "LOCALIZED_TRIGGERS"]
 
 #: ``attach(localize=)`` values: ``thread`` localizes in a background thread of the training
 #: process; ``off`` leaves it to the daemon's replay (which needs a recipe).
 LOCALIZE_MODES = ("thread", "off")
+#: Capture triggers the training process localizes (a manual capture is a checkpoint).
+LOCALIZED_TRIGGERS = ("nonfinite", "crash")
 
 
 def verdict_path(capture: Path) -> Path:
@@ -88,7 +90,8 @@ class InProcessVerdicts:
     def decide(self, meta: RunMeta, capture: Path) -> tuple[str, ReplayOutcome | None]:
         """``("deliver", outcome)``, ``("wait", None)`` or ``("spawn", None)`` (the daemon's own replay)."""
         mode = meta.extra.get("localize") if isinstance(meta.extra, dict) else None
-        if mode in (None, "off"):
+        parsed = parse_capture_name(capture.name)
+        if mode in (None, "off") or parsed is None or parsed[2] not in LOCALIZED_TRIGGERS:
             return "spawn", None
         key = str(capture)
         t0 = self.first_seen.setdefault(key, self.clock())

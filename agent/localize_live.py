@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -142,6 +144,7 @@ class LiveLocalizer:
         if trigger not in LOCALIZED_TRIGGERS or self.off:
             return
         t0 = time.perf_counter()
+        _lower_priority()
         try:
             if self.forward_only:
                 report = self._forward_only(snap, entries, step)
@@ -191,6 +194,15 @@ class LiveLocalizer:
             report = localize_forward(model, snap.step, calls, step, flags["_rng"].set_state)
         report.evidence["torch_flags"] = {k: v for k, v in flags.items() if not k.startswith("_")}
         return report
+
+
+def _lower_priority() -> None:
+    """Give this thread (only) the lowest CPU priority: where cores are short, training comes first.
+    Linux applies ``setpriority`` to one thread when given its thread id."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@
 Trains the planted-forward-fault loop of ``tests/replay/livecases.py`` (each step padded to about
 ``--step-ms`` with a sleep, as a stand-in for a real step's device time) until the training
 process has written its verdict, then prints: seconds from the NaN step to the verdict file, the
-memory of the second copy, and the step times before the incident and while the localization ran.
+memory of the second copy, the step times before the incident and while the localization ran,
+and how much longer the same steps took than with ``localize="off"``.
 
     .venv/bin/python bench/in_process_localize.py [--step-ms 10] [--fault forward] [--hidden 1024]
 """
@@ -28,10 +29,16 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=10.0)
     ap.add_argument("--fault", default="forward")
     ap.add_argument("--hidden", type=int, default=16, help="width of the model (1024: ~1.1 M parameters)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: stable on a shared machine)")
     a = ap.parse_args()
+    import torch  # noqa: PLC0415
+
+    torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory() as tmp:
         out = train(Path(tmp), "bench", a.fault, steps=FAULT_STEP + 4, step_sleep_s=a.step_ms / 1000,
                     until_verdict=True, hidden=a.hidden)
+        off = train(Path(tmp) / "off", "bench-off", a.fault, steps=out["steps_run"],
+                    step_sleep_s=a.step_ms / 1000, localize="off", hidden=a.hidden)
         w = out["watch"]
         vfile = verdict_path(w.captures[0])
         v = json.loads(vfile.read_text())
@@ -46,7 +53,9 @@ def main() -> None:
             "step_ms_median_before": round(1000 * statistics.median(before), 2),
             "step_ms_median_during": round(1000 * statistics.median(during), 2) if during else None,
             "step_ms_max_during": round(1000 * max(during), 2) if during else None,
-            "steps_during_localization": len(during)}, indent=1))
+            "steps_during_localization": len(during),
+            # the same steps with localize="off": what the localization added to training's time
+            "added_training_s": round(sum(out["step_s"]) - sum(off["step_s"]), 3)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -144,6 +144,7 @@ class Watch:
                 world_size=world, torch_version=str(torch.__version__), num_threads=torch.get_num_threads(),
                 num_classes=num_classes, started_s=wall_clock(),
                 extra={"torch_flags": torch_flags(), "localize": localize if self._live else "off",
+                       "localize_memory_bytes": self._live.memory_bytes if self._live else 0,
                        "model_class": f"{type(self._inner).__module__}:{type(self._inner).__qualname__}"}))
             self.stream = StreamWriter(stream_path(self.run_dir, self.rank), self.config.flush_s)
         except OSError as exc:

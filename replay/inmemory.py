@@ -95,6 +95,10 @@ def copy_optimizer(live: torch.optim.Optimizer, model_map: dict[int, torch.nn.Pa
     """
     groups = []
     for g in live.param_groups:
+        missing = [tuple(p.shape) for p in g["params"] if id(p) not in model_map]
+        if missing:
+            raise TypeError(f"the optimizer holds tensors that are not parameters of the model (shapes "
+                            f"{missing[:4]}); pass recipe='module:function' to attach instead")
         groups.append({**{k: copy.deepcopy(v) for k, v in g.items() if k != "params"},
                        "params": [model_map[id(p)] for p in g["params"]]})
     cls = type(live)

@@ -121,6 +121,7 @@ def test_memory_estimate_is_model_plus_adam_state(tmp_path):
     opt = torch.optim.Adam(model.parameters())
     w = attach(model, opt, runs_dir=tmp_path, metrics_port=0, loss_fn=lambda m, b: m(b).sum())
     assert w._live.memory_bytes == 5050 * 4 * 3  # parameters + exp_avg + exp_avg_sq
+    assert read_run_meta(w.run_dir).extra["localize_memory_bytes"] == 5050 * 4 * 3
     w.close()
 
 

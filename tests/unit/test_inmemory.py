@@ -58,3 +58,24 @@ def test_live_spec_builds_an_optimizer_of_the_same_class_and_groups():
     rec.optimizer.param_groups[0]["lr"] = 7.0
     assert opt.param_groups[0]["lr"] == 0.1  # the live groups are never written
     assert state_bytes(rec.model) == state_bytes(live) == (12 + 4) * 4
+
+
+class NeedsBeta(torch.optim.SGD):
+    def __init__(self, params, beta, lr=0.1):  # a required argument the param groups do not hold
+        super().__init__(params, lr=lr)
+        self.beta = beta
+
+
+def test_optimizers_that_cannot_be_rebuilt_say_what_to_do():
+    import pytest
+
+    from sentineld.replay.inmemory import copy_optimizer
+
+    live = nn.Linear(2, 2)
+    stray = nn.Parameter(torch.zeros(3))
+    with pytest.raises(TypeError, match=r"not parameters of the model \(shapes \[\(3,\)\]\).*recipe="):
+        LiveSpec(live, torch.optim.SGD(list(live.parameters()) + [stray], lr=0.1), lambda m, b: 0).make()
+    opt = NeedsBeta(live.parameters(), beta=0.5)
+    cp = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="cannot build a NeedsBeta from its param groups.*recipe="):
+        copy_optimizer(opt, {id(a): b for a, b in zip(live.parameters(), cp.parameters())})

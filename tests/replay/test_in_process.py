@@ -77,12 +77,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(torch.int32)
 
 
-def test_localization_leaves_training_bitwise_unchanged(tmp_path):
+@pytest.mark.parametrize("fault", ["data", "forward_only"])
+def test_localization_leaves_training_bitwise_unchanged(tmp_path, fault):
     # Same loop (dropout draws from the global generator every step), once with the localization
     # running in the background during the steps after the fault, once with it off.
-    on = train(tmp_path / "on", "rng-on", "data", steps=20, localize="thread", until_verdict=True)
+    on = train(tmp_path / "on", "rng-on", fault, steps=20, localize="thread", until_verdict=True)
     assert on["verdict_seen_at"] is not None and on["verdict_seen_at"] > FAULT_STEP + 2  # it overlapped
-    off = train(tmp_path / "off", "rng-off", "data", steps=on["steps_run"], localize="off")
+    off = train(tmp_path / "off", "rng-off", fault, steps=on["steps_run"], localize="off")
     assert off["steps_run"] == on["steps_run"]
     assert verdict_path(on["watch"].captures[0]).exists()
     assert not any(p.name.endswith(".verdict.json") for p in (off["watch"].run_dir).iterdir())

@@ -86,6 +86,7 @@ class LiveLocalizer:
         self.max_bytes = int(settings.pop("max_bytes", 1 << 62))
         #: True once an internal error switched the localizer off.
         self.off = False
+        self._one_at_a_time = threading.Lock()
         self.modes: dict[int, list[bool]] = {}
         self.num_threads = torch.get_num_threads()
         self.autocast: torch.dtype | None = None
@@ -146,10 +147,11 @@ class LiveLocalizer:
         t0 = time.perf_counter()
         _lower_priority()
         try:
-            if self.forward_only:
-                report = self._forward_only(snap, entries, step)
-            else:
-                report = self._full(path, snap)
+            with self._one_at_a_time:  # at most one second copy at a time (incident + crash captures)
+                if self.forward_only:
+                    report = self._forward_only(snap, entries, step)
+                else:
+                    report = self._full(path, snap)
             report.run_id = self.run_id
             report.capture = str(path)
             ev = report.evidence

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -145,7 +144,6 @@ class LiveLocalizer:
         if trigger not in LOCALIZED_TRIGGERS or self.off:
             return
         t0 = time.perf_counter()
-        _lower_priority()
         try:
             with self._one_at_a_time:  # at most one second copy at a time (incident + crash captures)
                 if self.forward_only:
@@ -196,15 +194,6 @@ class LiveLocalizer:
             report = localize_forward(model, snap.step, calls, step, flags["_rng"].set_state)
         report.evidence["torch_flags"] = {k: v for k, v in flags.items() if not k.startswith("_")}
         return report
-
-
-def _lower_priority() -> None:
-    """Give this thread (only) the lowest CPU priority: where cores are short, training comes first.
-    Linux applies ``setpriority`` to one thread when given its thread id."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
 
 
 @contextlib.contextmanager

@@ -205,8 +205,12 @@ def isolated(num_threads: int) -> Iterator[dict[str, Any]]:
 
     torch.set_num_threads(max(1, int(num_threads)))
     flags: dict[str, Any] = {}
+    # On CUDA, a stream of its own: on training's stream its kernels would queue behind (and
+    # before) training's, and its host reads would wait for them.
+    side = (torch.cuda.stream(torch.cuda.Stream()) if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else contextlib.nullcontext())
     try:
-        with private_rng() as mode:
+        with side, private_rng() as mode:
             flags.update(current_flags(), in_process=True, _rng=mode)
             yield flags
     finally:

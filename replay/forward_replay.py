@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from sentineld.capture import open_capture
+from sentineld.inprocess import verdict_path
 from sentineld.rng import restore_rng
 from sentineld.rundir import RunMeta
 
@@ -55,8 +56,10 @@ def replay_forward_only(meta: RunMeta, cap_path: Path, trust: bool, named_by: li
     with open_capture(cap_path) as cap:
         calls_rec = cap.forward_calls()
         if not calls_rec:
+            own = verdict_path(cap_path)
             raise ReplayError(f"run {meta.run_id} recorded no recipe; pass --recipe module:function "
-                              "(a function returning sentineld.recipe.Recipe)")
+                              "(a function returning sentineld.recipe.Recipe)"
+                              + (f"; the training process's own verdict is in {own}" if own.exists() else ""))
         model = _model(meta, trust, named_by)
         snap = cap.snapshot()
         own = dict(model.named_parameters()) | dict(model.named_buffers())

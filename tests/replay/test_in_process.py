@@ -236,3 +236,17 @@ def test_a_run_that_dies_at_the_nan_still_leaves_its_verdict(tmp_path):
     v = _verdict(tmp_path / "dies")
     assert (v["phase"], v["module"], v["op"], v["step"], v["reproduced"]) == \
         ("forward", "feats", "aten.log", FAULT_STEP, True)
+
+
+def test_cli_replay_of_a_loss_fn_run_points_to_its_own_verdict(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = train(tmp_path, "cli-lossfn", "forward")
+    cap = next(c[3] for c in list_captures(out["watch"].run_dir) if c[2] == "nonfinite")
+    proc = subprocess.run([sys.executable, "-m", "sentineld", "replay", str(out["watch"].run_dir)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "recorded no recipe; pass --recipe" in proc.stderr and str(verdict_path(cap)) in proc.stderr

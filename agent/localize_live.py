@@ -18,11 +18,14 @@ What it runs:
 
 It never disturbs training: recorded RNG states go into private generators of its own thread
 (:mod:`replay.private_rng`), global module hooks of the tracer ignore other threads, the live
-model, optimizer and their tensors are only read, and process-wide flags are not touched.
+model, optimizer and their tensors are only read, and process-wide flags are not touched (training
+with and without it is bitwise identical). It does share the CPU and the GIL with training while
+it runs: on two busy cores a 1 M-parameter model's steps took ~30% longer for the ~0.3-1.4 s it ran
+(``bench/in_process_localize.py``).
 
 Memory: a second copy of the model (parameters and buffers) and of the optimizer state, on the
-model's device, while it runs (the estimate is logged at attach and kept in
-``memory_bytes``); with forward-only, a host copy of each ring step's forward arguments all the
+model's device, while it runs (the estimate is logged at attach, kept in ``memory_bytes`` and
+in run.json as ``localize_memory_bytes``); with forward-only, a host copy of each ring step's forward arguments all the
 time. ``localize="off"`` switches it off (for models too large for a second copy; the daemon's
 replay with a recipe still works).
 """

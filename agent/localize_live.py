@@ -170,7 +170,7 @@ class LiveLocalizer:
         self.last_s = time.perf_counter() - t0
 
     def _full(self, path: Path, snap: Snapshot) -> Any:
-        from sentineld.capture import open_capture  # noqa: PLC0415
+        from sentineld.contracts.capture import open_capture  # noqa: PLC0415
         from sentineld.replay.engine import replay_capture  # noqa: PLC0415
         from sentineld.replay.inmemory import LiveSpec  # noqa: PLC0415
 

@@ -32,7 +32,7 @@ NOT_CHECKED = ["loss", "backward", "optimizer step"]
 #: How to get the full verdict.
 HOW_TO_ENABLE = ("pass loss_fn=lambda model, batch: <loss> to sentineld.agent.attach (the "
                  "training process then replays loss, backward and optimizer step), or "
-                 "recipe='module:function' (see sentineld.recipe)")
+                 "recipe='module:function' (see sentineld.contracts.recipe)")
 
 
 @dataclass
@@ -42,7 +42,7 @@ class ForwardCall:
     Attributes:
         step: the step.
         args, kwargs: what the model's ``forward`` got.
-        rng: RNG states at that forward (:func:`sentineld.rng.capture_rng`'s layout) or None.
+        rng: RNG states at that forward (:func:`sentineld.contracts.rng.capture_rng`'s layout) or None.
     """
 
     step: int
@@ -59,7 +59,7 @@ class _Holder:
 
 
 def _to(tree: Any, device: torch.device) -> Any:
-    from sentineld.treecodec import map_tensors  # noqa: PLC0415
+    from sentineld.contracts.treecodec import map_tensors  # noqa: PLC0415
 
     return map_tensors(tree, lambda t: t.to(device))
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from sentineld.capture import open_capture
+from sentineld.contracts.capture import open_capture
 from sentineld.inprocess import verdict_path
-from sentineld.rng import restore_rng
-from sentineld.rundir import RunMeta
+from sentineld.contracts.rng import restore_rng
+from sentineld.contracts.rundir import RunMeta
 
 from .engine import ReplayError
 from .forward_only import HOW_TO_ENABLE, ForwardCall, localize_forward
@@ -58,7 +58,7 @@ def replay_forward_only(meta: RunMeta, cap_path: Path, trust: bool, named_by: li
         if not calls_rec:
             own = verdict_path(cap_path)
             raise ReplayError(f"run {meta.run_id} recorded no recipe; pass --recipe module:function "
-                              "(a function returning sentineld.recipe.Recipe)"
+                              "(a function returning sentineld.contracts.recipe.Recipe)"
                               + (f"; the training process's own verdict is in {own}" if own.exists() else ""))
         model = _model(meta, trust, named_by)
         snap = cap.snapshot()

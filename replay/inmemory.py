@@ -1,4 +1,4 @@
-"""A :class:`~sentineld.recipe.Recipe` made from the live training objects, for a run without a recipe.
+"""A :class:`~sentineld.contracts.recipe.Recipe` made from the live training objects, for a run without a recipe.
 
 ``attach(model, optimizer, loss_fn=...)`` gives the agent everything a recipe module would: the
 model's structure (the live module), the optimizer's class and param groups, the loss function,
@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from sentineld.recipe import Recipe
+from sentineld.contracts.recipe import Recipe
 
 __all__ = ["LiveSpec", "copy_module", "copy_optimizer", "state_bytes"]
 

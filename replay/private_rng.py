@@ -56,7 +56,7 @@ class PrivateRNG(TorchDispatchMode):
         return self.gens[key]
 
     def set_state(self, rng: dict[str, Any]) -> None:
-        """Load a recorded state (:func:`sentineld.rng.capture_rng`'s layout) into the private
+        """Load a recorded state (:func:`sentineld.contracts.rng.capture_rng`'s layout) into the private
         generators; NumPy and Python parts are left alone (see the module docstring)."""
         if rng.get("torch") is not None:
             self.gen(torch.device("cpu")).set_state(rng["torch"])

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from sentineld.inprocess import verdict_path
-from sentineld.rundir import list_captures
+from sentineld.contracts.rundir import list_captures
 from tests.conftest import REPO, wait_until
 from tests.replay.livecases import FAULT_STEP
 

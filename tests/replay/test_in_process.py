@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sentineld.inprocess import verdict_path
-from sentineld.rundir import list_captures, read_run_meta
+from sentineld.contracts.rundir import list_captures, read_run_meta
 from tests.replay.livecases import FAULT_STEP, train
 
 
@@ -132,7 +132,7 @@ def test_cli_replay_of_a_run_without_recipe_is_forward_only_from_the_capture(tmp
     import subprocess
     import sys
 
-    from sentineld.capture import open_capture
+    from sentineld.contracts.capture import open_capture
     from tests.conftest import REPO
 
     out = train(tmp_path, "cli-fwd-only", "forward_only", localize="thread")

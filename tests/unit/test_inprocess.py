@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from sentineld.inprocess import InProcessVerdicts, verdict_path, write_verdict
-from sentineld.rundir import RunMeta
+from sentineld.contracts.rundir import RunMeta
 
 REPORT = {"schema_version": 1, "phase": "forward", "module": "feats", "reproduced": True, "step": 3,
           "elapsed_s": 0.4}

@@ -4,7 +4,7 @@ Where it runs: in the capture's background thread, right after the capture was w
 goes on meanwhile (torch ops release the GIL); at a normal end, an uncaught exception, SIGTERM or
 interpreter exit, ``Watch.close`` waits for it (up to its ``timeout_s``), so a run about to die
 still leaves its verdict. The verdict is written next to the capture
-(:func:`sentineld.inprocess.verdict_path`), where the daemon picks it up and delivers it instead of
+(:func:`sentineld.contracts.verdict_file.verdict_path`), where the daemon picks it up and delivers it instead of
 spawning a replay of its own.
 
 What it runs:
@@ -28,6 +28,10 @@ model's device, while it runs (the estimate is logged at attach, kept in ``memor
 in run.json as ``localize_memory_bytes``); with forward-only, a host copy of each ring step's forward arguments all the
 time. ``localize="off"`` switches it off (for models too large for a second copy; the daemon's
 replay with a recipe still works).
+
+Imports: the replay's code (``sentineld.replay.*``) is imported inside the capture thread, at the
+first localization, never by ``import sentineld.agent`` or ``attach`` (docs/DESIGN.md, "Who imports
+what"); the agent's own part (this module) needs only torch and the contracts.
 """
 
 from __future__ import annotations
@@ -42,20 +46,35 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from sentineld.inprocess import LOCALIZE_MODES, LOCALIZED_TRIGGERS, write_verdict
+from sentineld.contracts.verdict_file import LOCALIZE_MODES, LOCALIZED_TRIGGERS, write_verdict
 
 from .ring import RingEntry, Snapshot, to_host, tree_nbytes
 
-__all__ = ["LiveLocalizer", "make_localizer"]
+__all__ = ["LiveLocalizer", "make_localizer", "state_bytes"]
 
 log = logging.getLogger("sentineld.agent")
 
 
 
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Bytes of the model's parameters and buffers (a tied tensor once) plus the optimizer's
+    tensor state: what a second copy of them takes."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    if optimizer is not None:
+        for st in list(optimizer.state.values()):
+            for v in list(st.values()):
+                if isinstance(v, torch.Tensor):
+                    total += v.numel() * v.element_size()
+    return total
+
+
 def _optimizer_estimate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, params_bytes: int) -> int:
     """Optimizer state bytes now, or (before the first step) a guess from its class."""
-    from sentineld.replay.inmemory import state_bytes  # noqa: PLC0415
-
     have = state_bytes(torch.nn.Module(), optimizer)
     if have:
         return have
@@ -93,8 +112,6 @@ class LiveLocalizer:
         self.num_threads = torch.get_num_threads()
         self.autocast: torch.dtype | None = None
         self._device_type = next((p.device.type for p in model.parameters()), "cpu")
-        from sentineld.replay.inmemory import state_bytes  # noqa: PLC0415
-
         params = state_bytes(model)
         #: Estimated bytes of the second copy (model + optimizer state) made at an incident.
         self.memory_bytes = params + (0 if self.forward_only else _optimizer_estimate(model, optimizer, params))
@@ -191,7 +208,7 @@ class LiveLocalizer:
         model = copy_module(self.model, self.modes.get(snap.step))
         model.load_state_dict(snap.state["model"])
         rngs = {e.step: e.rng for e in entries}
-        calls = [ForwardCall(s, a, k, dict(rngs[s]) if rngs.get(s) else None)
+        calls = [ForwardCall(s, a, k, dict(r) if (r := rngs.get(s)) else None)
                  for s, a, k in list(self.calls) if s in rngs]
         with isolated(self.num_threads) as flags:
             report = localize_forward(model, snap.step, calls, step, flags["_rng"].set_state)
@@ -233,7 +250,7 @@ def make_localizer(mode: str, model: torch.nn.Module, optimizer: torch.optim.Opt
     the daemon (as before). Logs the memory a second copy will take.
 
     Raises:
-        ValueError: ``mode`` is not one of :data:`sentineld.inprocess.LOCALIZE_MODES`, or
+        ValueError: ``mode`` is not one of :data:`sentineld.contracts.verdict_file.LOCALIZE_MODES`, or
             ``loss_fn`` is not callable.
     """
     if mode not in LOCALIZE_MODES:
@@ -242,11 +259,6 @@ def make_localizer(mode: str, model: torch.nn.Module, optimizer: torch.optim.Opt
         raise ValueError(f"loss_fn must be a function (model, batch) -> loss, got {type(loss_fn).__name__}")
     if mode == "off" or (loss_fn is None and recipe is not None):
         return None
-    # Imported now: the localization may run while the interpreter exits (atexit, excepthook).
-    import sentineld.replay.engine  # noqa: F401, PLC0415
-    import sentineld.replay.forward_only  # noqa: F401, PLC0415
-    import sentineld.replay.inmemory  # noqa: F401, PLC0415
-    import sentineld.replay.private_rng  # noqa: F401, PLC0415
     loc = LiveLocalizer(model, optimizer, loss_fn, window, run_id, **settings)
     what = ("forward-only (no loss_fn, no recipe: loss, backward and optimizer are not checked; "
             "pass loss_fn= to check them)" if loc.forward_only else "full replay with loss_fn")

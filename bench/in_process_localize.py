@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sentineld.inprocess import verdict_path  # noqa: E402
+from sentineld.contracts.verdict_file import verdict_path  # noqa: E402
 from tests.replay.livecases import FAULT_STEP, train  # noqa: E402
 
 

@@ -16,13 +16,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch.utils._pytree import tree_flatten
 
+from sentineld.contracts.recipe import Recipe
+from sentineld.contracts.verdict import Report
+
 from .localize import _forward, nonfinite_fields
-from .report import Report
 from .trace import Tracer, nonfinite_flags, one_thread
 
 __all__ = ["ForwardCall", "localize_forward", "HOW_TO_ENABLE", "NOT_CHECKED"]
@@ -113,7 +115,7 @@ def localize_forward(model: torch.nn.Module, snapshot_step: int, calls: list[For
         tracer, bad = _run(model, call, set_rng)
         tried.append(call.step)
         if bad:
-            _forward(report, _Holder(model), tracer)
+            _forward(report, cast(Recipe, _Holder(model)), tracer)  # _forward reads .model only
             report.reproduced = True
             report.evidence["births"] = [b.summary() for b in tracer.births[:5]]
             break

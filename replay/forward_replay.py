@@ -15,14 +15,14 @@ from pathlib import Path
 import torch
 
 from sentineld.contracts.capture import open_capture
-from sentineld.inprocess import verdict_path
 from sentineld.contracts.rng import restore_rng
 from sentineld.contracts.rundir import RunMeta
+from sentineld.contracts.verdict import Report
+from sentineld.contracts.verdict_file import verdict_path
 
 from .engine import ReplayError
 from .forward_only import HOW_TO_ENABLE, ForwardCall, localize_forward
 from .rebuild import torch_globals
-from .report import Report
 from .trust import load_recipe_factory
 
 __all__ = ["replay_forward_only"]
@@ -56,10 +56,10 @@ def replay_forward_only(meta: RunMeta, cap_path: Path, trust: bool, named_by: li
     with open_capture(cap_path) as cap:
         calls_rec = cap.forward_calls()
         if not calls_rec:
-            own = verdict_path(cap_path)
+            verdict = verdict_path(cap_path)
             raise ReplayError(f"run {meta.run_id} recorded no recipe; pass --recipe module:function "
                               "(a function returning sentineld.contracts.recipe.Recipe)"
-                              + (f"; the training process's own verdict is in {own}" if own.exists() else ""))
+                              + (f"; the training process's own verdict is in {verdict}" if verdict.exists() else ""))
         model = _model(meta, trust, named_by)
         snap = cap.snapshot()
         own = dict(model.named_parameters()) | dict(model.named_buffers())
@@ -73,7 +73,7 @@ def replay_forward_only(meta: RunMeta, cap_path: Path, trust: bool, named_by: li
             raise ReplayError(f"{type(model).__name__}() does not match the captured state: "
                               f"{' '.join(str(exc).split())[:400]}") from None
         model.train()
-        calls = [ForwardCall(s, tuple(c["args"]), dict(c["kwargs"]), cap.step(s).rng)
+        calls = [ForwardCall(s, tuple(c["args"]), dict(c["kwargs"]), dict(r) if (r := cap.step(s).rng) else None)
                  for s, c in sorted(calls_rec.items()) if s in cap.steps]
         flags = meta.extra.get("torch_flags") if isinstance(meta.extra, dict) else None
         with torch_globals(meta.num_threads, flags if isinstance(flags, dict) else None) as in_effect:

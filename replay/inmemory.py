@@ -23,7 +23,7 @@ import torch
 
 from sentineld.contracts.recipe import Recipe
 
-__all__ = ["LiveSpec", "copy_module", "copy_optimizer", "state_bytes"]
+__all__ = ["LiveSpec", "copy_module", "copy_optimizer"]
 
 # Hooks put in by sentineld itself (agent snapshots, per-layer probes) are not part of the model.
 _OWN_PREFIXES = ("sentineld.", "agent.", "replay.")
@@ -101,7 +101,7 @@ def copy_optimizer(live: torch.optim.Optimizer, model_map: dict[int, torch.nn.Pa
                             f"{missing[:4]}); pass recipe='module:function' to attach instead")
         groups.append({**{k: copy.deepcopy(v) for k, v in g.items() if k != "params"},
                        "params": [model_map[id(p)] for p in g["params"]]})
-    cls = type(live)
+    cls: Any = type(live)  # a subclass of Optimizer: its own __init__ takes (params, **defaults)
     try:
         return cls(groups)
     except TypeError:
@@ -120,22 +120,6 @@ def _copy_scaler(scaler: Any) -> Any:
         return type(scaler)(getattr(scaler, "_device", "cuda"), enabled=scaler.is_enabled())
     except TypeError:
         return copy.deepcopy(scaler)
-
-
-def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Bytes of the model's parameters and buffers plus the optimizer's tensor state."""
-    seen: set[int] = set()
-    total = 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    if optimizer is not None:
-        for st in list(optimizer.state.values()):
-            for v in list(st.values()):
-                if isinstance(v, torch.Tensor):
-                    total += v.numel() * v.element_size()
-    return total
 
 
 @dataclass

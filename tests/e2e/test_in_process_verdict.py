@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from sentineld.inprocess import verdict_path
+from sentineld.contracts.verdict_file import verdict_path
 from sentineld.contracts.rundir import list_captures
 from tests.conftest import REPO, wait_until
 from tests.replay.livecases import FAULT_STEP

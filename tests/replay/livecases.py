@@ -97,7 +97,7 @@ def train(runs_dir: Path, run_id: str, fault: str, steps: int = 24, localize: st
     ``until_verdict``: go on past ``steps`` until the verdict file exists (at most 2000 steps), so
     the localization surely ran while training did; ``steps_run`` says how many ran.
     """
-    from sentineld.inprocess import verdict_path
+    from sentineld.contracts.verdict_file import verdict_path
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed + 1)
     model = Net(fault, hidden)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sentineld.inprocess import verdict_path
+from sentineld.contracts.verdict_file import verdict_path
 from sentineld.contracts.rundir import list_captures, read_run_meta
 from tests.replay.livecases import FAULT_STEP, train
 

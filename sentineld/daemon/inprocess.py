@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sentineld.contracts.rundir import RunMeta, parse_capture_name
+from sentineld.contracts.safeio import read_regular
 from sentineld.contracts.verdict_file import LOCALIZED_TRIGGERS, verdict_path
 
 from .replay_runner import ReplayOutcome
@@ -62,7 +63,7 @@ class InProcessVerdicts:
         parsed = parse_capture_name(capture.name)
         if mode in (None, "off") or parsed is None or parsed[2] not in LOCALIZED_TRIGGERS:
             return "spawn", None
-        key = str(capture)
+        key = f"{meta.run_id}@{meta.started_s!r}|{capture}"  # a new run reusing the path waits anew
         t0 = self.first_seen.setdefault(key, self.clock())
         path = verdict_path(capture)
         payload = _read(path)
@@ -87,14 +88,21 @@ class InProcessVerdicts:
                                         "daemon cannot replay it (pass recipe= to attach)", 0.0, None)
 
 
+#: Largest verdict file read (a report is a few KiB; births and evidence stay well under this).
+MAX_VERDICT_BYTES = 8 << 20
+
+
 def _read(path: Path) -> dict[str, Any] | None:
+    """The verdict file's object; None while it is absent; a ``failed`` payload naming what is
+    wrong with it otherwise (read like every run-dir file: no symlink, no FIFO, bounded)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(8 << 20)
-    except OSError:
+        data = read_regular(path, MAX_VERDICT_BYTES)
+    except FileNotFoundError:
         return None
+    except OSError as exc:
+        return {"result": "failed", "reason": str(exc)}
     try:
-        obj = json.loads(text)
-    except ValueError:
+        obj = json.loads(data)
+    except (ValueError, RecursionError):
         return {"result": "failed", "reason": f"{path.name} is not JSON"}
     return obj if isinstance(obj, dict) else {"result": "failed", "reason": f"{path.name} is not an object"}

@@ -85,3 +85,20 @@ def test_a_report_that_did_not_reproduce_is_delivered_as_such(tmp_path: Path) ->
     verdict_path(cap).write_text("{not json")
     decision, outcome = InProcessVerdicts(60).decide(_meta(), cap)
     assert decision == "deliver" and "not JSON" in outcome.reason
+
+
+def test_a_verdict_file_that_is_a_symlink_or_a_fifo_is_not_read(tmp_path: Path) -> None:
+    # Read like every run-dir file (contracts.safeio): a link to a report elsewhere is not the
+    # training process's verdict, and a FIFO in its place must not block the replay thread.
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps(REPORT))
+    cap = tmp_path / "capture-rank0-step000000003-nonfinite.h5"
+    verdict_path(cap).symlink_to(elsewhere)
+    decision, outcome = InProcessVerdicts(60).decide(_meta(), cap)
+    assert decision == "deliver" and outcome.result == "failed" and "symbolic link" in outcome.reason
+    assert InProcessVerdicts(60).decide(_meta(recipe="m:f"), cap) == ("spawn", None)
+
+    cap2 = tmp_path / "capture-rank0-step000000005-nonfinite.h5"
+    os.mkfifo(verdict_path(cap2))
+    decision, outcome = InProcessVerdicts(60).decide(_meta(), cap2)
+    assert decision == "deliver" and "FIFO" in outcome.reason

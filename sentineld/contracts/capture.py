@@ -12,6 +12,8 @@ Layout (schema version 1)::
     /records               JSON string: list of StepRecord dicts for S..N (and any after N)
     /grads/names, /grads/<i>   gradients at N as the agent saw them before the optimizer step
                            (optional; names is a JSON list, i its index)
+    /forward/<step>/tree, /forward/<step>/<i>   the model's top-level forward call of that step,
+                           ``{"args": [...], "kwargs": {...}}`` (optional: forward-only runs)
 
 Snapshot S is the state *before* step S ran, so re-executing steps S..N-1 gives the state before N.
 Nothing is pickled: trees are JSON and tensors are datasets. A capture is written to
@@ -33,7 +35,7 @@ import numpy as np
 
 from sentineld.contracts.errors import BadInput
 from sentineld.contracts.h5write import tree_bytes, write_h5_atomic
-from sentineld.contracts.treecodec import decode, encode
+from sentineld.contracts.treecodec import TreeCodecError, decode, encode
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -203,6 +205,7 @@ def write_capture(
     records: Iterable[Mapping[str, Any]],
     grads: Mapping[str, Any] | None = None,
     message: str = "",
+    forward_calls: Mapping[int, Any] | None = None,
 ) -> Path:
     """Write a capture atomically (temp name, fsync, rename) and return its final path.
 
@@ -212,6 +215,9 @@ def write_capture(
         steps: the steps ``snapshot_step..first_step`` (at least), with batches and RNG states.
         records: per-step scalar records (JSON-ready dicts).
         grads: parameter name -> gradient tensor at ``first_step`` (optional evidence).
+        forward_calls: step -> ``{"args": tuple, "kwargs": dict}`` of the model's top-level forward
+            (recorded for runs with neither loss_fn nor recipe; optional). A call holding a value
+            with no JSON form is left out, never the capture.
 
     Raises:
         OSError: the file cannot be written (permissions; a full disk gives ``errno.ENOSPC`` and a
@@ -240,10 +246,28 @@ def write_capture(
             for i, t in enumerate(grads.values()):
                 arr, dtype = tensor_to_numpy(t)
                 put_dataset(gg, str(i), arr).attrs["torch_dtype"] = dtype
+        if forward_calls:
+            _write_forward(f.create_group("forward"), forward_calls)
 
-    estimate = tree_bytes(dict(snapshot)) + sum(tree_bytes(st.batch) for st in steps) + tree_bytes(grads or {})
+    estimate = (tree_bytes(dict(snapshot)) + sum(tree_bytes(st.batch) for st in steps)
+                + tree_bytes(grads or {}) + tree_bytes(dict(forward_calls or {})))
     write_h5_atomic(path, fill, estimate, durable=True, what="capture")
     return path
+
+
+def _write_forward(group: Any, calls: Mapping[int, Any]) -> None:
+    """``/forward/<step>/tree`` + tensors, like a batch; calls that cannot be encoded are skipped."""
+    for step, call in calls.items():
+        tensors: list[Any] = []
+        try:
+            text = json.dumps(encode(call, tensors))
+        except (TreeCodecError, TypeError, ValueError):
+            continue
+        g = group.create_group(str(step))
+        put_dataset(g, "tree", text)
+        for i, t in enumerate(tensors):
+            arr, dtype = tensor_to_numpy(t)
+            put_dataset(g, str(i), arr).attrs["torch_dtype"] = dtype
 
 
 class Capture:
@@ -335,6 +359,13 @@ class Capture:
                     for i, n in enumerate(names)}
 
         return self._guard(load, "grads")
+
+    def forward_calls(self) -> dict[int, Any]:
+        """step -> ``{"args": tuple, "kwargs": dict}`` of the model's recorded top-level forward
+        calls ({} when the run recorded none)."""
+        if not self._guard(lambda: "forward" in self._f, "forward"):
+            return {}
+        return self._guard(lambda: {int(k): _read_tree(g) for k, g in self._f["forward"].items()}, "forward")
 
     def _guard(self, fn: Any, what: str) -> Any:
         try:

@@ -14,7 +14,9 @@ re-executing S..N-1), ``localize_s`` (the instrumented step).
 ``backward``: ``op_inputs``, ``op_output``; ``optimizer``: ``state_entry``, ``optimizer_state``,
 ``eps``, ``inf_gradient_origin`` (clipping), ``scheduler`` (learning rate); always
 ``replayed_loss``, ``recorded_loss``, ``rebuilt_losses``, ``births``, ``nan_table_row``,
-``precision``, ``torch_flags``.
+``precision``, ``torch_flags``; a verdict of the training process itself (``attach(loss_fn=)``,
+:mod:`sentineld.contracts.verdict_file`) adds ``in_process`` (``mode``, ``memory_bytes``, ``wall_s``),
+and a forward-only one ``not_checked`` (phases it could not check) and ``how_to_enable``.
 """
 
 from __future__ import annotations
@@ -162,4 +164,7 @@ def notification_text(report: Mapping[str, Any]) -> tuple[str, str]:
     ev = report.get("evidence") or {}
     if phase == "data" and ev.get("field"):
         lines.append(f"field: {ev['field']} samples: {ev.get('samples')}")
+    if ev.get("not_checked"):  # a forward-only verdict (no loss_fn, no recipe)
+        lines.append(f"not checked: {', '.join(map(str, ev['not_checked']))}; to check them, "
+                     f"{ev.get('how_to_enable', '')}")
     return title, "\n".join(lines) + "\n"

@@ -75,6 +75,7 @@ class RunWatch:
     last_alert_s: dict[str, float] = field(default_factory=dict)
     reported_error: str | None = None
     meta_error: str | None = None
+    notices: list[tuple[int, str, int, str]] = field(default_factory=list)  # (rank, kind, step, message)
     replaced: bool = False
     _meta_key: tuple[int, int, int] | None = None
     _buf: dict[int, deque[tuple[dict[str, Any] | None, int]]] = field(default_factory=dict)
@@ -169,6 +170,9 @@ class RunWatch:
                 elif kind in ("agent_error", "agent_warning"):
                     self.agent_errors.append(str(obj.get("message", ""))[:500])
                     del self.agent_errors[:-20]
+                    if end > self._quiet_until.get(rank, -1):  # not one a restart re-reads
+                        self.notices.append((rank, str(kind), _as_int(obj.get("step"), -1),
+                                             str(obj.get("message", ""))[:2000]))
             self.bad_lines = sum(t.bad_lines for t in self.tails.values())
         caps = []
         try:

@@ -320,6 +320,8 @@ class Daemon:
             more = rw.behind
             if new:
                 self._evaluate(rw, live=not more)
+            if rw.notices:
+                self.notifier.agent_notices(rw)
             for cap in caps:
                 rw.captures_seen.add(cap.name)
                 parsed = parse_capture_name(cap.name)

@@ -19,7 +19,7 @@ from sentineld.daemon.alertmanager import Alert, to_am_alert
 from sentineld.daemon.replay_runner import ReplayOutcome
 
 __all__ = ["EXTRA_SIGNATURES", "NO_RECIPE", "incident_annotations", "incident_severity", "verdict_alert",
-           "crash_alert", "no_recipe_reason", "no_recipe_outcome"]
+           "crash_alert", "no_recipe_reason", "no_recipe_outcome", "localizes_in_process"]
 
 #: Signatures of the incident's extra alerts (not detectors): alert names SentineldReplay and
 #: SentineldCrashed.
@@ -37,19 +37,28 @@ def no_recipe_reason(run: str) -> str:
             f"replay by hand: sentineld replay {run} --recipe module:function")
 
 
-def incident_annotations(recipe: str | None, replay_enabled: bool, run: str) -> dict[str, str]:
+def localizes_in_process(extra: Any) -> bool:
+    """True for a run whose training process localizes its own captures (``attach(loss_fn=)``:
+    ``run.json`` ``localize`` not off, :mod:`sentineld.daemon.inprocess`): a verdict comes
+    without a recipe."""
+    return isinstance(extra, Mapping) and extra.get("localize") not in (None, "off")
+
+
+def incident_annotations(recipe: str | None, replay_enabled: bool, run: str,
+                         in_process: bool = False) -> dict[str, str]:
     """Annotations every daemon alert of a run carries from its first notification.
 
     Args:
         recipe: the run's recipe (``run.json``), None when it gave none.
         replay_enabled: the daemon replays captures (``--no-replay`` turns it off).
         run: run id.
+        in_process: the run localizes in process (:func:`localizes_in_process`).
 
     Returns:
         ``{"replay": why no replay will come}`` for a run whose captures the daemon cannot
         replay, else ``{}``.
     """
-    if replay_enabled and recipe is None:
+    if replay_enabled and recipe is None and not in_process:
         return {"replay": no_recipe_reason(run)}
     return {}
 
@@ -95,17 +104,22 @@ def crash_alert(*, run: str, severity: str, title: str, body: str, step: int | N
                        host=host, starts_at=starts_at)
 
 
-def no_recipe_outcome(run: str, recipe: str | None, outcome: ReplayOutcome) -> ReplayOutcome:
+def no_recipe_outcome(run: str, recipe: str | None, outcome: ReplayOutcome,
+                      in_process: bool = False) -> ReplayOutcome:
     """A replay that failed only because the run gave no recipe, as result :data:`NO_RECIPE`.
 
     Not a failure to page about (the incident's alert says so from the start); a damaged capture,
-    a refused or timed-out replay, or a run that named a recipe keep their result.
+    a refused or timed-out replay, a run that named a recipe, and a run that localizes in process
+    (its localization failing is news: no annotation announced it) keep their result.
 
     Args:
         run: run id.
         recipe: the run's recipe (``run.json``), None when it gave none.
-        outcome: what :func:`sentineld.daemon.replay_runner.run_replay_subprocess` returned.
+        outcome: what :func:`sentineld.daemon.replay_runner.run_replay_subprocess` or
+            :class:`sentineld.daemon.inprocess.InProcessVerdicts` gave.
+        in_process: the run localizes in process (:func:`localizes_in_process`).
     """
-    if outcome.result == "failed" and recipe is None and "recipe" in outcome.reason.lower():
+    if (outcome.result == "failed" and recipe is None and not in_process
+            and "recipe" in outcome.reason.lower()):
         return ReplayOutcome(NO_RECIPE, None, no_recipe_reason(run), outcome.elapsed_s, outcome.exit_code)
     return outcome

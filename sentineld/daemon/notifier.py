@@ -27,6 +27,7 @@ from sentineld.daemon.am_incident import (
     crash_alert,
     incident_annotations,
     incident_severity,
+    localizes_in_process,
     verdict_alert,
 )
 from sentineld.daemon.delivery import LOG_TARGET, Destination
@@ -199,8 +200,10 @@ class Notifier:
 
     def am_annotations(self, rw: RunWatch) -> dict[str, str]:
         """Annotations every Alertmanager alert of ``rw`` carries (why no replay comes)."""
-        recipe = rw.meta.recipe if rw.meta else None
-        return incident_annotations(recipe, self.replay_enabled and rw.meta is not None, rw.run_id)
+        if rw.meta is None:
+            return {}
+        return incident_annotations(rw.meta.recipe, self.replay_enabled, rw.run_id,
+                                    localizes_in_process(rw.meta.extra))
 
     def am_refresh(self, rw: RunWatch, a: Active) -> None:
         """Re-post a firing alert whose ranks grew, so the page lists every rank."""

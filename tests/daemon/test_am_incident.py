@@ -9,6 +9,7 @@ from sentineld.daemon.am_incident import (
     crash_alert,
     incident_annotations,
     incident_severity,
+    localizes_in_process,
     no_recipe_outcome,
     verdict_alert,
 )
@@ -53,3 +54,15 @@ def test_extra_alerts_share_the_run_label_and_the_incident_severity():
     assert v["labels"]["alertname"] == "SentineldReplay" and v["labels"]["run"] == "r1"
     assert v["labels"]["severity"] == "warning" and v["annotations"]["rank"] == "1"
     assert c["labels"]["alertname"] == "SentineldCrashed" and "rank" not in c["annotations"]
+
+
+def test_a_run_that_localizes_in_process_is_not_a_no_recipe_run():
+    """attach(loss_fn=) runs give a verdict without a recipe: no "not run" annotation, and their
+    failed localization (sentineld/daemon/inprocess.py's fallback reason names the recipe) is
+    still delivered as a failure, not swallowed as no_recipe."""
+    assert localizes_in_process({"localize": "full"}) and not localizes_in_process({"localize": "off"})
+    assert not localizes_in_process({}) and not localizes_in_process(None)
+    assert incident_annotations(None, True, "r1", in_process=True) == {}
+    failed = ReplayOutcome("failed", None, "the training process's localization failed: boom; the run "
+                           "named no recipe, so the daemon cannot replay it (pass recipe= to attach)", 0.0, None)
+    assert no_recipe_outcome("r1", None, failed, in_process=True) is failed

@@ -19,7 +19,8 @@ from sentineld.daemon.alertmanager import Alert, to_am_alert
 from sentineld.daemon.replay_runner import ReplayOutcome
 
 __all__ = ["EXTRA_SIGNATURES", "NO_RECIPE", "incident_annotations", "incident_severity", "verdict_alert",
-           "crash_alert", "no_recipe_reason", "no_recipe_outcome", "localizes_in_process"]
+           "crash_alert", "no_recipe_reason", "no_recipe_outcome", "localizes_in_process",
+           "replayable_without_recipe", "verdict_may_come"]
 
 #: Signatures of the incident's extra alerts (not detectors): alert names SentineldReplay and
 #: SentineldCrashed.
@@ -44,6 +45,19 @@ def localizes_in_process(extra: Any) -> bool:
     return isinstance(extra, Mapping) and extra.get("localize") not in (None, "off")
 
 
+def replayable_without_recipe(extra: Any) -> bool:
+    """True when a run without a recipe may still get a forward-only replay verdict: its
+    ``run.json`` names an importable model class (``extra.model_class``, not ``__main__:...``;
+    the same test as replay/forward_replay.py makes before it imports the class)."""
+    spec = extra.get("model_class") if isinstance(extra, Mapping) else None
+    return isinstance(spec, str) and not spec.startswith("__main__:")
+
+
+def verdict_may_come(extra: Any) -> bool:
+    """A run without a recipe still gets a verdict: in process or forward-only (``run.json`` extra)."""
+    return localizes_in_process(extra) or replayable_without_recipe(extra)
+
+
 def incident_annotations(recipe: str | None, replay_enabled: bool, run: str,
                          in_process: bool = False) -> dict[str, str]:
     """Annotations every daemon alert of a run carries from its first notification.
@@ -52,7 +66,8 @@ def incident_annotations(recipe: str | None, replay_enabled: bool, run: str,
         recipe: the run's recipe (``run.json``), None when it gave none.
         replay_enabled: the daemon replays captures (``--no-replay`` turns it off).
         run: run id.
-        in_process: the run localizes in process (:func:`localizes_in_process`).
+        in_process: the run localizes in process (:func:`localizes_in_process`) or may get a
+            forward-only replay (:func:`replayable_without_recipe`): a verdict may come.
 
     Returns:
         ``{"replay": why no replay will come}`` for a run whose captures the daemon cannot
@@ -117,7 +132,8 @@ def no_recipe_outcome(run: str, recipe: str | None, outcome: ReplayOutcome,
         recipe: the run's recipe (``run.json``), None when it gave none.
         outcome: what :func:`sentineld.daemon.replay_runner.run_replay_subprocess` or
             :class:`sentineld.daemon.inprocess.InProcessVerdicts` gave.
-        in_process: the run localizes in process (:func:`localizes_in_process`).
+        in_process: as for :func:`incident_annotations` (then no annotation announced the
+            failure, so it is news).
     """
     if (outcome.result == "failed" and recipe is None and not in_process
             and "recipe" in outcome.reason.lower()):

@@ -27,8 +27,8 @@ from sentineld.daemon.am_incident import (
     crash_alert,
     incident_annotations,
     incident_severity,
-    localizes_in_process,
     verdict_alert,
+    verdict_may_come,
 )
 from sentineld.daemon.delivery import LOG_TARGET, Destination
 from sentineld.daemon.messages import agent_notice_text, alert_text, recovery_text, replay_failed_text
@@ -203,7 +203,7 @@ class Notifier:
         if rw.meta is None:
             return {}
         return incident_annotations(rw.meta.recipe, self.replay_enabled, rw.run_id,
-                                    localizes_in_process(rw.meta.extra))
+                                    verdict_may_come(rw.meta.extra))
 
     def am_refresh(self, rw: RunWatch, a: Active) -> None:
         """Re-post a firing alert whose ranks grew, so the page lists every rank."""

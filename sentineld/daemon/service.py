@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 from sentineld.contracts.rundir import RunDirError, make_private_dir, parse_capture_name, read_run_meta
 from sentineld.contracts.triggers import CRASH
-from sentineld.daemon.am_incident import localizes_in_process, no_recipe_outcome
+from sentineld.daemon.am_incident import no_recipe_outcome, verdict_may_come
 from sentineld.daemon.daemon_config import DaemonConfig
 from sentineld.daemon.delivery import SecretFilter, destinations, url_secrets
 from sentineld.daemon.loops import DeliveryThread, RecoverThread, ReplayThread, Stats, guard
@@ -463,7 +463,7 @@ class Daemon:
 
     def _finish_replay(self, rw: RunWatch, cap: Path, outcome: ReplayOutcome, record: Path) -> None:
         if rw.meta is not None:  # always set here: the replay thread skips runs without run.json
-            outcome = no_recipe_outcome(rw.run_id, rw.meta.recipe, outcome, localizes_in_process(rw.meta.extra))
+            outcome = no_recipe_outcome(rw.run_id, rw.meta.recipe, outcome, verdict_may_come(rw.meta.extra))
         self.stats.replays_run += 1
         if self._metrics:
             self._metrics["replays"].labels(outcome.result).inc()

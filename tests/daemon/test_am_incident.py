@@ -10,6 +10,8 @@ from sentineld.daemon.am_incident import (
     incident_annotations,
     incident_severity,
     localizes_in_process,
+    replayable_without_recipe,
+    verdict_may_come,
     no_recipe_outcome,
     verdict_alert,
 )
@@ -66,3 +68,13 @@ def test_a_run_that_localizes_in_process_is_not_a_no_recipe_run():
     failed = ReplayOutcome("failed", None, "the training process's localization failed: boom; the run "
                            "named no recipe, so the daemon cannot replay it (pass recipe= to attach)", 0.0, None)
     assert no_recipe_outcome("r1", None, failed, in_process=True) is failed
+
+
+def test_a_run_whose_model_class_imports_gets_a_forward_only_verdict_not_no_recipe():
+    """Since main's forward-only replay, a run without recipe whose model class is importable gets
+    a verdict: no "not run" annotation, and a failure of that replay is delivered."""
+    assert replayable_without_recipe({"model_class": "pkg.models:Net"})
+    assert not replayable_without_recipe({"model_class": "__main__:Net"}) and not replayable_without_recipe({})
+    assert verdict_may_come({"model_class": "pkg.models:Net", "localize": "off"})
+    assert not verdict_may_come({"model_class": "__main__:Net", "localize": "off"})
+    assert incident_annotations(None, True, "r1", in_process=verdict_may_come({"model_class": "m:N"})) == {}

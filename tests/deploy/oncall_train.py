@@ -27,6 +27,13 @@ def main() -> None:
 
     r = make_recipe("none")
     model, opt = r.model, r.optimizer
+    if recipe == "no":
+        # A model class only __main__ knows (as in a training script): the replay cannot import
+        # it, so no forward-only verdict either; this run gets no verdict at all (no_recipe).
+        class ScriptNet(type(model)):  # type: ignore[misc,valid-type]
+            pass
+
+        model.__class__ = ScriptNet
     kw = dict(recipe="sentineld.demo_model:make_recipe", recipe_args={"fault": "none"}) if recipe == "yes" else {}
     watch = attach(model, opt, run_id=run_id, runs_dir=runs_dir, metrics_port=port, num_classes=10,
                    flush_s=0.2, **kw)

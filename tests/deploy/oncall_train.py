@@ -34,7 +34,9 @@ def main() -> None:
             pass
 
         model.__class__ = ScriptNet
-    kw = dict(recipe="sentineld.demo_model:make_recipe", recipe_args={"fault": "none"}) if recipe == "yes" else {}
+    # Without a recipe: no in-process localization either, so no verdict can come (no_recipe).
+    kw = (dict(recipe="sentineld.demo_model:make_recipe", recipe_args={"fault": "none"}) if recipe == "yes"
+          else {"localize": "off"})
     watch = attach(model, opt, run_id=run_id, runs_dir=runs_dir, metrics_port=port, num_classes=10,
                    flush_s=0.2, **kw)
     assert watch.metrics_port == port, (watch.metrics_port, port)

@@ -14,12 +14,16 @@ backward (sqrt'(0) = inf inside ``root``) | optimizer (an infinite LR factor fro
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
 
-import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Either import name of Lightning (the standalone ``pytorch_lightning`` package, or ``lightning``).
+pl = importlib.import_module(os.environ.get("LIT_PACKAGE", "lightning.pytorch"))
 
 FAULT_STEP = 5
 BATCH = 8

@@ -1,0 +1,78 @@
+"""A Hugging Face Trainer script changed only by adding SentineldCallback, with a planted fault.
+
+A tiny BERT (2 layers, hidden 16) built from a config: nothing is downloaded.
+
+    python hf_train.py RUNS_DIR RUN_ID FAULT [ACCUMULATE] [bf16]
+
+FAULT (at optimizer step ``FAULT_STEP``): none | data (NaN in ``inputs_embeds``) | forward
+(float32-max embeddings: the embeddings' LayerNorm overflows) | loss (every label -100: the
+cross-entropy mean over no target is 0/0) | optimizer (``adam_epsilon=0``: Adam divides 0 by 0
+for the parameters whose gradient is exactly zero, at the first step).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+FAULT_STEP = 3
+BATCH, SEQ, HIDDEN = 4, 6, 16
+
+
+class Embedded(torch.utils.data.Dataset):
+    """Samples as the model's keyword arguments: ``inputs_embeds``, ``attention_mask``, ``labels``."""
+
+    def __init__(self, fault: str, accumulate: int, steps: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        n = steps * accumulate * BATCH
+        self.x = torch.randn(n, SEQ, HIDDEN, generator=g)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+        lo = (FAULT_STEP * accumulate + accumulate - 1) * BATCH  # the fault step's last micro-batch
+        if fault == "data":
+            self.x[lo + 1, 2, 3] = float("nan")
+        elif fault == "forward":
+            self.x[lo + 2] = torch.finfo(torch.float32).max
+        elif fault == "loss":
+            self.y[lo:lo + BATCH] = -100
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"inputs_embeds": self.x[i], "attention_mask": torch.ones(SEQ, dtype=torch.long),
+                "labels": self.y[i]}
+
+
+def main() -> None:
+    from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+    from sentineld.integrations.transformers import SentineldCallback
+
+    runs_dir, run_id, fault = sys.argv[1], sys.argv[2], sys.argv[3]
+    accumulate = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    bf16 = len(sys.argv) > 5 and sys.argv[5] == "bf16"
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=32, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=16, num_labels=3)
+    model = BertForSequenceClassification(config)
+    steps = FAULT_STEP + 3
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out, max_steps=steps, per_device_train_batch_size=BATCH, learning_rate=1e-3,
+            gradient_accumulation_steps=accumulate, bf16=bf16, use_cpu=True, report_to=[],
+            save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+            adam_epsilon=0.0 if fault == "optimizer" else 1e-8, warmup_steps=2,
+            train_sampling_strategy="sequential")
+        trainer = Trainer(model=model, args=args, train_dataset=Embedded(fault, accumulate, steps),
+                          callbacks=[SentineldCallback(run_id=run_id, runs_dir=runs_dir, metrics_port=0)])
+        trainer.train()
+
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,11 @@
 
 A tiny BERT (2 layers, hidden 16) built from a config: nothing is downloaded.
 
-    python hf_train.py RUNS_DIR RUN_ID FAULT [ACCUMULATE] [bf16]
+    python hf_train.py RUNS_DIR SPEC [SPEC...]      SPEC = RUN_ID:FAULT[:ACCUMULATE[:bf16]]
+
+Several specs train one after another in one process. ``FAULT+override`` trains with a Trainer
+subclass that overrides ``compute_loss``. Each run's Trainer log history goes to
+``RUNS_DIR/RUN_ID.trainer-log.json`` (it shows what ``logging_nan_inf_filter`` made of the NaN).
 
 FAULT (at optimizer step ``FAULT_STEP``): none | data (NaN in ``inputs_embeds``) | forward
 (float32-max embeddings: the embeddings' LayerNorm overflows) | loss (every label -100: the
@@ -12,6 +16,7 @@ for the parameters whose gradient is exactly zero, at the first step).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -48,14 +53,17 @@ class Embedded(torch.utils.data.Dataset):
                 "labels": self.y[i]}
 
 
-def main() -> None:
+def train(runs_dir: str, run_id: str, fault: str, accumulate: int = 1, bf16: bool = False) -> None:
     from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
 
     from sentineld.integrations.transformers import SentineldCallback
 
-    runs_dir, run_id, fault = sys.argv[1], sys.argv[2], sys.argv[3]
-    accumulate = int(sys.argv[4]) if len(sys.argv) > 4 else 1
-    bf16 = len(sys.argv) > 5 and sys.argv[5] == "bf16"
+    class WeightedTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001, ANN202
+            out = model(**inputs)
+            return (out.loss * 2.0, out) if return_outputs else out.loss * 2.0
+
+    fault, _, override = fault.partition("+")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     config = BertConfig(vocab_size=32, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2,
@@ -69,9 +77,19 @@ def main() -> None:
             save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, dataloader_num_workers=0,
             adam_epsilon=0.0 if fault == "optimizer" else 1e-8, warmup_steps=2,
             train_sampling_strategy="sequential")
-        trainer = Trainer(model=model, args=args, train_dataset=Embedded(fault, accumulate, steps),
-                          callbacks=[SentineldCallback(run_id=run_id, runs_dir=runs_dir, metrics_port=0)])
+        cls = WeightedTrainer if override else Trainer
+        trainer = cls(model=model, args=args, train_dataset=Embedded(fault, accumulate, steps),
+                      callbacks=[SentineldCallback(run_id=run_id, runs_dir=runs_dir, metrics_port=0)])
         trainer.train()
+        with open(os.path.join(runs_dir, f"{run_id}.trainer-log.json"), "w") as f:
+            json.dump(trainer.state.log_history, f)
+
+
+def main() -> None:
+    runs_dir = sys.argv[1]
+    for spec in sys.argv[2:]:
+        run_id, fault, *rest = spec.split(":")
+        train(runs_dir, run_id, fault, int(rest[0]) if rest else 1, len(rest) > 1 and rest[1] == "bf16")
 
 
 if __name__ == "__main__":

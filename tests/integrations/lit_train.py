@@ -4,7 +4,9 @@ The LightningModule lives here, in the script (``__main__``), with the Trainer b
 ``if __name__ == "__main__":`` as in Lightning's examples: the replay must find the class
 without running the training.
 
-    python lit_train.py RUNS_DIR RUN_ID FAULT [ACCUMULATE] [PRECISION]
+    python lit_train.py RUNS_DIR SPEC [SPEC...]      SPEC = RUN_ID:FAULT[:ACCUMULATE[:PRECISION]]
+
+Several specs train one after another in one process (one Lightning import for all).
 
 FAULT (at optimizer step ``FAULT_STEP``): none | data (NaN in the batch) | forward (a constant
 row: 0/0 in the ``norm`` submodule) | loss (a weighted mean with all weights 0 in training_step) |
@@ -96,12 +98,9 @@ def make_data(fault: str, accumulate: int, steps: int) -> torch.utils.data.Tenso
     return torch.utils.data.TensorDataset(x, y, w)
 
 
-def main() -> None:
+def fit(runs_dir: str, run_id: str, fault: str, accumulate: int = 1, precision: str = "32-true") -> None:
     from sentineld.integrations.lightning import SentineldCallback
 
-    runs_dir, run_id, fault = sys.argv[1], sys.argv[2], sys.argv[3]
-    accumulate = int(sys.argv[4]) if len(sys.argv) > 4 else 1
-    precision = sys.argv[5] if len(sys.argv) > 5 else "32-true"
     torch.manual_seed(0)
     torch.set_num_threads(1)
     steps = FAULT_STEP + 4
@@ -112,7 +111,19 @@ def main() -> None:
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         accumulate_grad_batches=accumulate, gradient_clip_val=5.0, precision=precision,
         callbacks=[SentineldCallback(run_id=run_id, runs_dir=runs_dir, metrics_port=0)])
-    trainer.fit(model, loader)
+    try:
+        trainer.fit(model, loader)
+    except RuntimeError as exc:
+        if fault != "crash":
+            raise
+        print(f"crashed as planted: {exc}")
+
+
+def main() -> None:
+    runs_dir = sys.argv[1]
+    for spec in sys.argv[2:]:
+        run_id, fault, *rest = spec.split(":")
+        fit(runs_dir, run_id, fault, int(rest[0]) if rest else 1, rest[1] if len(rest) > 1 else "32-true")
 
 
 if __name__ == "__main__":

@@ -172,3 +172,16 @@ def test_both_import_names_accept_the_callback() -> None:
         trainer = pkg.Trainer(callbacks=[SentineldCallback(metrics_port=0)], logger=False,
                               enable_checkpointing=False, enable_progress_bar=False)
         assert any(isinstance(c, SentineldCallback) for c in trainer.callbacks)
+
+
+@pytest.mark.slow
+def test_the_standalone_pytorch_lightning_package_replays_too(tmp_path: Path) -> None:
+    pytest.importorskip("pytorch_lightning")
+    out = subprocess.run([sys.executable, str(LIT_TRAIN), str(tmp_path), "pl:forward:1"], cwd=REPO,
+                         env={**ENV, "LIT_PACKAGE": "pytorch_lightning"}, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads((tmp_path / "pl" / "run.json").read_text())["recipe_args"]["lightning"] == "pytorch_lightning"
+    code, report, err = replay(tmp_path / "pl")
+    assert code == 0, err
+    assert verdict(report) == (FAULT_STEP, "forward", "norm", "Standardize", "aten.div", True)

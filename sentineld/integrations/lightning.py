@@ -136,8 +136,13 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
         kw["scaler"] = getattr(trainer.precision_plugin, "scaler", None)
         self._k = kw["accumulation_steps"] = max(1, int(trainer.accumulate_grad_batches))
         if "recipe" not in kw:
-            kw["recipe"], kw["recipe_args"] = RECIPE, replay_args(trainer, pl_module)
-            _warn_unreplayable(kw["recipe_args"], type(pl_module))
+            try:
+                kw["recipe_args"] = replay_args(trainer, pl_module)
+                kw["recipe"] = RECIPE
+                _warn_unreplayable(kw["recipe_args"], type(pl_module))
+            except Exception as exc:  # noqa: BLE001 - never stop the fit for what the replay needs
+                log.warning("sentineld: cannot record how to rebuild %s (%r); the replay will need "
+                            "--recipe", type(pl_module).__name__, exc)
         if "run_id" not in kw and trainer.world_size > 1:
             kw["run_id"] = trainer.strategy.broadcast(default_run_id(), src=0)
         self.watch = attach(pl_module, opt, **kw)

@@ -162,9 +162,13 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
         kw["scaler"] = getattr(accelerator, "scaler", None)
         self._k = kw["accumulation_steps"] = max(1, int(args.gradient_accumulation_steps))
         if "recipe" not in kw:
-            kw["recipe"] = RECIPE
-            kw["recipe_args"] = replay_args(trainer, args, state, model, opt, sched)
-            if kw["recipe_args"]["custom_loss"]:
+            try:
+                kw["recipe_args"] = replay_args(trainer, args, state, model, opt, sched)
+                kw["recipe"] = RECIPE
+            except Exception as exc:  # noqa: BLE001 - never stop training for what the replay needs
+                log.warning("sentineld: cannot record how to rebuild %s (%r); the replay will need "
+                            "--recipe", type(model).__name__, exc)
+            if kw.get("recipe_args", {}).get("custom_loss"):
                 log.warning("sentineld: %s; the replay cannot rebuild this loss from the model. "
                             "Pass recipe= (or loss_fn=) to SentineldCallback",
                             kw["recipe_args"]["custom_loss"])

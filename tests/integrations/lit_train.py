@@ -6,7 +6,8 @@ without running the training.
 
     python lit_train.py RUNS_DIR SPEC [SPEC...]      SPEC = RUN_ID:FAULT[:ACCUMULATE[:PRECISION]]
 
-Several specs train one after another in one process (one Lightning import for all).
+Several specs train one after another in one process (one Lightning import for all). RUN_ID
+``-`` leaves the run id to the callback; ``LIT_DEVICES=2`` trains with DDP on two CPU processes.
 
 FAULT (at optimizer step ``FAULT_STEP``): none | data (NaN in the batch) | forward (a constant
 row: 0/0 in the ``norm`` submodule) | loss (a weighted mean with all weights 0 in training_step) |
@@ -106,12 +107,15 @@ def fit(runs_dir: str, run_id: str, fault: str, accumulate: int = 1, precision: 
     steps = FAULT_STEP + 4
     model = TinyClassifier(fault=fault)
     loader = torch.utils.data.DataLoader(make_data(fault, accumulate, steps), batch_size=BATCH)
+    devices = int(os.environ.get("LIT_DEVICES", "1"))  # 2: DDP (gloo) on two CPU processes
+    named = {} if run_id == "-" else {"run_id": run_id}  # "-": the callback's default run id
     trainer = pl.Trainer(
-        max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        max_steps=steps, accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
+        logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         accumulate_grad_batches=accumulate, gradient_clip_val=5.0, precision=precision,
         callbacks=[] if os.environ.get("NO_SENTINELD")  # a baseline for the memory figure
-        else [SentineldCallback(run_id=run_id, runs_dir=runs_dir, metrics_port=0)])
+        else [SentineldCallback(runs_dir=runs_dir, metrics_port=0, **named)])
     try:
         trainer.fit(model, loader)
     except RuntimeError as exc:

@@ -185,3 +185,31 @@ def test_the_standalone_pytorch_lightning_package_replays_too(tmp_path: Path) ->
     code, report, err = replay(tmp_path / "pl")
     assert code == 0, err
     assert verdict(report) == (FAULT_STEP, "forward", "norm", "Standardize", "aten.div", True)
+
+
+@pytest.mark.slow
+def test_ddp_ranks_share_one_run_from_the_trainer(tmp_path: Path) -> None:
+    """strategy="ddp" on two CPU processes (gloo), no run id given: rank 0's default id is
+    broadcast, so both ranks write into one run directory, each stream labelled by its rank."""
+    out = subprocess.run([sys.executable, str(LIT_TRAIN), str(tmp_path), "-:data:1"], cwd=REPO,
+                         env={**ENV, "LIT_DEVICES": "2"}, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (run,) = list(tmp_path.iterdir())
+    assert json.loads((run / "run.json").read_text())["world_size"] == 2
+    assert (run / "run-rank1.json").exists()
+    first: dict[int, dict] = {}
+    for rank in (0, 1):
+        recs = [json.loads(x) for x in (run / f"stream-rank{rank}.jsonl").read_text().splitlines()]
+        steps = [r for r in recs if r.get("kind") == "step"]
+        assert [r["step"] for r in steps] == list(range(FAULT_STEP + 4))
+        assert {r["rank"] for r in steps} == {rank}
+        first[rank] = next(r for r in steps if r["loss"] != r["loss"] or r["grad_norm"] != r["grad_norm"])
+    # One rank's batch holds the NaN (its loss is NaN); the all-reduce makes the other rank's
+    # gradient norm NaN at the same step while its own loss is finite.
+    bad = next(r for r in (0, 1) if first[r]["loss"] != first[r]["loss"])
+    other = 1 - bad
+    assert first[other]["step"] == first[bad]["step"] and first[other]["loss"] == first[other]["loss"]
+    code, report, err = replay(run)
+    assert code == 0, err
+    assert (report["rank"], report["step"], report["phase"], report["reproduced"]) == \
+        (bad, first[bad]["step"], "data", True)

@@ -1,5 +1,5 @@
-"""What both framework callbacks share: checking attach's keywords early, JSON-checking run.json
-values, and calling into the Watch at points the framework (not a plain loop) marks."""
+"""What both framework callbacks share: checking attach's keywords when the callback is built,
+and JSON-checking the values they write to run.json."""
 
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ subclass that overrides ``compute_loss``. Each run's Trainer log history goes to
 FAULT (at optimizer step ``FAULT_STEP``): none | data (NaN in ``inputs_embeds``) | forward
 (float32-max embeddings: the embeddings' LayerNorm overflows) | loss (every label -100: the
 cross-entropy mean over no target is 0/0) | optimizer (``adam_epsilon=0``: Adam divides 0 by 0
-for the parameters whose gradient is exactly zero, at the first step).
+for the parameters whose gradient is exactly zero, at the first step) | backward (a model class
+defined in this script, ``TinyModel``: sqrt'(0) = inf inside its ``root``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,49 @@ FAULT_STEP = 3
 BATCH, SEQ, HIDDEN = 4, 6, 16
 
 
+from torch import nn  # noqa: E402
+from transformers import PretrainedConfig, PreTrainedModel  # noqa: E402
+from transformers.modeling_outputs import SequenceClassifierOutput  # noqa: E402
+
+
+class TinyConfig(PretrainedConfig):
+    model_type = "sentineld-tiny"
+
+    def __init__(self, width: int = HIDDEN, classes: int = 3, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.width, self.classes = width, classes
+
+
+class Root(nn.Module):
+    """sqrt(|x * scale|): finite everywhere, its derivative infinite at exactly zero."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt((x * self.scale).abs())
+
+
+class TinyModel(PreTrainedModel):
+    """A model of the user's own, defined in this script (``__main__``); no ``**kwargs`` in
+    forward, so the Trainer divides the loss by the accumulation steps."""
+
+    config_class = TinyConfig
+
+    def __init__(self, config: TinyConfig) -> None:
+        super().__init__(config)
+        self.root = Root(config.width)
+        self.head = nn.Linear(config.width, config.classes)
+        self.post_init()
+
+    def forward(self, inputs_embeds: torch.Tensor, labels: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> SequenceClassifierOutput:
+        logits = self.head(self.root(inputs_embeds).mean(dim=1))
+        loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
 class Embedded(torch.utils.data.Dataset):
     """Samples as the model's keyword arguments: ``inputs_embeds``, ``attention_mask``, ``labels``."""
 
@@ -44,6 +88,8 @@ class Embedded(torch.utils.data.Dataset):
             self.x[lo + 2] = torch.finfo(torch.float32).max
         elif fault == "loss":
             self.y[lo:lo + BATCH] = -100
+        elif fault == "backward":
+            self.x[lo + 1, 2, 5] = 0.0  # sqrt(|0|) is finite, its derivative is not (TinyModel)
 
     def __len__(self) -> int:
         return len(self.y)
@@ -68,7 +114,7 @@ def train(runs_dir: str, run_id: str, fault: str, accumulate: int = 1, bf16: boo
     torch.manual_seed(0)
     config = BertConfig(vocab_size=32, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=16, num_labels=3)
-    model = BertForSequenceClassification(config)
+    model = TinyModel(TinyConfig()) if fault == "backward" else BertForSequenceClassification(config)
     steps = FAULT_STEP + 3
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(

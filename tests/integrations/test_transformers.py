@@ -22,6 +22,8 @@ CASES = {
                                      "aten.native_layer_norm", True)),
     "loss-accum2-bf16": ("loss:2:bf16", (FAULT_STEP, "forward", "loss", "CrossEntropyLoss",
                                          "aten.nll_loss_forward", True)),
+    # The model class is the script's own (__main__), loaded from the script by the replay.
+    "backward-accum2-script": ("backward:2", (FAULT_STEP, "backward", "root", "Root", "aten.div", True)),
     # adam_epsilon=0: the parameters whose gradient is exactly 0 get 0/0 at the first step.
     "optimizer": ("optimizer:1", (0, "optimizer", "bert.embeddings.position_embeddings", "Embedding",
                                   "aten._fused_adamw_", True)),
@@ -79,6 +81,15 @@ def test_run_json_holds_config_optimizer_and_scheduler(runs: Path) -> None:
     assert args["loss_normalized"] is True
     steps = [r for r in stream(runs / "loss-accum2-bf16") if r.get("kind") == "step"]
     assert [r["step"] for r in steps] == list(range(FAULT_STEP + 3))
+
+
+@pytest.mark.slow
+def test_a_model_class_of_the_script_is_recorded_with_its_path_and_the_divided_loss(runs: Path) -> None:
+    args = json.loads((runs / "backward-accum2-script" / "run.json").read_text())["recipe_args"]
+    assert args["model_class"] == {"module": "__main__", "qualname": "TinyModel", "script": str(HF_TRAIN)}
+    assert args["config"]["width"] == 16 and args["config"]["model_type"] == "sentineld-tiny"
+    # No **kwargs in its forward: the Trainer divides each micro-batch's loss by 2, as train_step does.
+    assert args["loss_normalized"] is False and args["accumulation_steps"] == 2
 
 
 @pytest.mark.slow

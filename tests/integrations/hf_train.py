@@ -12,7 +12,8 @@ FAULT (at optimizer step ``FAULT_STEP``): none | data (NaN in ``inputs_embeds``)
 (float32-max embeddings: the embeddings' LayerNorm overflows) | loss (every label -100: the
 cross-entropy mean over no target is 0/0) | optimizer (``adam_epsilon=0``: Adam divides 0 by 0
 for the parameters whose gradient is exactly zero, at the first step) | backward (a model class
-defined in this script, ``TinyModel``: sqrt'(0) = inf inside its ``root``).
+defined in this script, ``TinyModel``: sqrt'(0) = inf inside its ``root``) | crash (loading the
+fault step's batch raises, uncaught).
 """
 
 from __future__ import annotations
@@ -91,10 +92,14 @@ class Embedded(torch.utils.data.Dataset):
         elif fault == "backward":
             self.x[lo + 1, 2, 5] = 0.0  # sqrt(|0|) is finite, its derivative is not (TinyModel)
 
+        self.crash_at = lo if fault == "crash" else None
+
     def __len__(self) -> int:
         return len(self.y)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if i == self.crash_at:
+            raise RuntimeError(f"planted crash loading sample {i}")
         return {"inputs_embeds": self.x[i], "attention_mask": torch.ones(SEQ, dtype=torch.long),
                 "labels": self.y[i]}
 

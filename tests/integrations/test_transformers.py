@@ -106,3 +106,22 @@ def test_unknown_keywords_fail_when_the_callback_is_built() -> None:
 
     with pytest.raises(ValueError, match=r"\['scaler'\] come from the trainer"):
         SentineldCallback(scaler=None)
+
+
+@pytest.mark.slow
+def test_an_uncaught_exception_in_train_writes_the_crash_capture(tmp_path: Path) -> None:
+    """The Trainer has no exception event for callbacks: the agent's excepthook writes it."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    from .helpers import ENV
+
+    out = subprocess.run([sys.executable, str(HF_TRAIN), str(tmp_path), "hc:crash"], cwd=REPO, env=ENV,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "planted crash loading sample 12" in out.stderr
+    recs = stream(tmp_path / "hc")
+    last = max(r["step"] for r in recs if r.get("kind") == "step")
+    assert [p.name for p in (tmp_path / "hc").glob("capture-*.h5")] == [f"capture-rank0-step{last:09d}-crash.h5"]
+    assert recs[-1]["kind"] == "end" and recs[-1]["reason"] == "crashed"

@@ -215,3 +215,51 @@ def test_ddp_ranks_share_one_run_from_the_trainer(tmp_path: Path) -> None:
     assert code == 0, err
     assert (report["rank"], report["step"], report["phase"], report["reproduced"]) == \
         (bad, first[bad]["step"], "data", True)
+
+
+RESUME = '''
+import sys, tempfile, torch, lightning.pytorch as pl
+from lit_train import BATCH, FAULT_STEP, TinyClassifier, make_data
+from sentineld.integrations.lightning import SentineldCallback
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+steps = FAULT_STEP + 4
+loader = torch.utils.data.DataLoader(make_data("forward", 1, steps), batch_size=BATCH)
+kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+          enable_model_summary=False, num_sanity_val_steps=0)
+with tempfile.TemporaryDirectory() as ckpt:
+    # A first job without sentineld stops after 3 steps and leaves a checkpoint ...
+    first = pl.Trainer(max_steps=3, default_root_dir=ckpt, **kw)
+    first.fit(TinyClassifier(fault="forward"), loader)
+    path = first.checkpoint_callback.best_model_path or first.checkpoint_callback.last_model_path
+    # ... the resumed job, with the callback, starts at global step 3.
+    pl.Trainer(max_steps=steps, enable_checkpointing=False,
+               callbacks=[SentineldCallback(run_id="resumed", runs_dir=sys.argv[1], metrics_port=0)],
+               **kw).fit(TinyClassifier(fault="forward"), loader, ckpt_path=path)
+'''
+
+
+@pytest.mark.slow
+def test_a_resumed_fit_numbers_steps_by_global_step_and_imports_a_module_class(tmp_path: Path) -> None:
+    """The module class lives in an importable module (lit_train, next to the script), not in
+    __main__: the replay imports it from the run's working directory after the trust checks."""
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME)
+    here = LIT_TRAIN.parent
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "runs")], cwd=here,
+                         env={**ENV, "PYTHONPATH": str(here)}, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    run = tmp_path / "runs" / "resumed"
+    args = json.loads((run / "run.json").read_text())["recipe_args"]
+    assert args["module_class"] == {"module": "lit_train", "qualname": "TinyClassifier", "script": None}
+    steps = [r["step"] for r in stream(run) if r.get("kind") == "step"]
+    assert steps == list(range(3, FAULT_STEP + 4))
+    # The resumed epoch starts again at batch 0 (a plain DataLoader cannot fast-forward), so the
+    # fault's batch (index 5) is trained at global step 3 + 5.
+    nan_step = 3 + FAULT_STEP
+    assert first_nonfinite_step(run) == nan_step
+    code, report, err = replay(run)
+    assert code == 0, err
+    assert verdict(report) == (nan_step, "forward", "norm", "Standardize", "aten.div", True)
+    assert report["evidence"]["snapshot_step"] == 3 and report["steps_rebuilt"] == nan_step - 3

@@ -48,12 +48,10 @@ RECIPE = "sentineld.integrations.lightning_replay:recipe_from_run"
 
 _FROM_TRAINER = {"scheduler", "scaler", "accumulation_steps"}
 
-try:  # the trainer's own Callback class; both import names work (Lightning duck-types callbacks)
+try:  # either package's Callback: both Trainers accept it (Lightning duck-types callbacks)
     from lightning.pytorch import Callback as _Base
-    _PACKAGE = "lightning.pytorch"
 except ImportError:  # pragma: no cover - only the standalone package installed
     from pytorch_lightning import Callback as _Base  # type: ignore[no-redef]
-    _PACKAGE = "pytorch_lightning"
 
 
 def _package_of(pl_module: Any) -> str:

@@ -19,7 +19,7 @@ def check_attach_kwargs(kwargs: dict[str, Any], set_by_callback: set[str]) -> No
     Raises:
         ValueError: an unknown keyword, or one the callback takes from the trainer.
     """
-    from sentineld.agent.config import AgentConfig  # noqa: PLC0415
+    from sentineld.agent.agent_config import AgentConfig  # noqa: PLC0415
     from sentineld.agent.watch import Watch  # noqa: PLC0415
 
     own = set(inspect.signature(Watch.__init__).parameters) - {"self", "model", "optimizer"}

@@ -75,7 +75,7 @@ def test_a_script_in_a_group_writable_folder_is_not_executed(script: Path) -> No
 
 
 def test_class_ref_of_an_importable_class_names_no_script() -> None:
-    from sentineld.recipe import Recipe
+    from sentineld.contracts.recipe import Recipe
 
-    assert class_ref(Recipe) == {"module": "sentineld.recipe", "qualname": "Recipe", "script": None}
+    assert class_ref(Recipe) == {"module": "sentineld.contracts.recipe", "qualname": "Recipe", "script": None}
     assert load_class(class_ref(Recipe), ".", trust=False) is Recipe

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from sentineld.recipe import Recipe, train_step
+from sentineld.contracts.recipe import Recipe, train_step
 
 
 def _grads(scale_accumulated: bool) -> torch.Tensor:

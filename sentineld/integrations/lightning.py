@@ -51,7 +51,7 @@ _FROM_TRAINER = {"scheduler", "scaler", "accumulation_steps"}
 try:  # either package's Callback: both Trainers accept it (Lightning duck-types callbacks)
     from lightning.pytorch import Callback as _Base
 except ImportError:  # pragma: no cover - only the standalone package installed
-    from pytorch_lightning import Callback as _Base  # type: ignore[no-redef]
+    from pytorch_lightning import Callback as _Base  # type: ignore[no-redef,assignment]
 
 
 def _package_of(pl_module: Any) -> str:
@@ -145,7 +145,7 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
             kw["run_id"] = trainer.strategy.broadcast(default_run_id(), src=0)
         self.watch = attach(pl_module, opt, **kw)
         # Lightning's global_step, so a resumed fit numbers its steps as Lightning does.
-        self.watch._n = int(trainer.global_step)
+        self.watch.start_at(int(trainer.global_step))
         self._wrap_training_step(pl_module)
 
     def _wrap_training_step(self, pl_module: Any) -> None:
@@ -166,14 +166,14 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
         if w is None or not w.enabled:
             return
         if not self._micro:
-            w._on_forward(pl_module, ())  # the step starts here: snapshot + RNG (see module doc)
+            w.begin_step()  # the step starts here: snapshot + RNG (see module doc)
         self._micro.append({"batch": batch, "batch_idx": int(batch_idx)})
         self._gs0 = trainer.global_step
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         w = self.watch
         if w is not None and w.enabled and optimizer is w.optimizer:
-            w._on_optimizer_step(optimizer, (), {})  # fresh gradients, before clipping
+            w.grads_ready()  # fresh gradients, before clipping
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -42,7 +42,7 @@ def hparams_problem(cls: type, saved: bool) -> str | None:
     if saved:
         return None
     try:
-        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        params = list(inspect.signature(cls).parameters.values())
     except (TypeError, ValueError):
         params = []
     required = [p.name for p in params if p.default is p.empty
@@ -74,7 +74,8 @@ def training_step_loss(model: torch.nn.Module, micro: Any) -> torch.Tensor:
         model()
     finally:
         del model.__dict__["forward"]
-    out = type(model).training_step(model, micro["batch"], int(micro.get("batch_idx", 0)))
+    cls: Any = type(model)  # a LightningModule (typed as the nn.Module the Recipe holds)
+    out = cls.training_step(model, micro["batch"], int(micro.get("batch_idx", 0)))
     loss = out.get("loss") if isinstance(out, dict) or hasattr(out, "keys") else out
     if not isinstance(loss, torch.Tensor):
         raise ValueError(f"{type(model).__name__}.training_step returned {type(out).__name__}, "

@@ -57,7 +57,7 @@ def _find_trainer() -> Any:
     """
     from transformers import Trainer  # noqa: PLC0415
 
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     for _ in range(12):
         if frame is None:
             return None
@@ -118,7 +118,7 @@ def _loss_of(out: Any) -> Any:
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, dict):
         loss = out.get("loss")
-    return loss.detach() if hasattr(loss, "detach") else None
+    return loss.detach() if loss is not None and hasattr(loss, "detach") else None
 
 
 class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
@@ -173,7 +173,7 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
                             "Pass recipe= (or loss_fn=) to SentineldCallback",
                             kw["recipe_args"]["custom_loss"])
         self.watch = attach(model, opt, **kw)
-        self.watch._n = int(state.global_step)  # the Trainer's global_step numbers the steps
+        self.watch.start_at(int(state.global_step))  # the Trainer's global_step numbers the steps
         self._hooks = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True),
                        model.register_forward_hook(self._on_output)]
 

@@ -5,8 +5,9 @@ import ``__main__`` (that is the replay), and running the script would run the t
 script is loaded by path under another module name: its top level runs (imports, class and
 function definitions), while the training behind ``if __name__ == "__main__":`` does not. Loading
 it executes it, so it gets the checks a recipe gets (``replay/trust.py``): the script, its folder,
-its ``__pycache__`` and the bytecode there must be ours and writable by no one else, unless the
-replay was given ``--trust``.
+its ``__pycache__`` and the bytecode there must be ours and writable by no one else, and so must
+each module it imports from its folder (:class:`sentineld.contracts.trust.ImportGuard`), unless
+the replay was given ``--trust``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def class_ref(cls: type) -> dict[str, Any]:
 
 
 def _script_module(script: Path, trust: bool) -> ModuleType:
-    from sentineld.replay.trust import check_owned  # noqa: PLC0415 - the replay side only
+    from sentineld.contracts.trust import check_owned, install_import_guard  # noqa: PLC0415
 
     if not script.is_file():
         raise FileNotFoundError(f"training script {script} (where the class was defined) is gone; "
@@ -48,6 +49,9 @@ def _script_module(script: Path, trust: bool) -> ModuleType:
         extra = [cache, *cache.glob(f"{script.stem}.*.pyc")] if cache.is_dir() else []
         for f in [script, script.parent, *extra]:
             check_owned(f)
+        # What the script imports from its own folder is checked as it is imported, as for a
+        # recipe's working folder (the script may live elsewhere than the run's working folder).
+        install_import_guard(script.parent)
     name = "sentineld_script_" + re.sub(r"\W", "_", script.stem)
     if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(script):
         return sys.modules[name]

@@ -74,6 +74,22 @@ def test_a_script_in_a_group_writable_folder_is_not_executed(script: Path) -> No
     assert load_class(_ref(script, "Top"), str(script.parent), trust=True).__name__ == "Top"
 
 
+def test_a_group_writable_sibling_module_the_script_imports_is_refused(tmp_path: Path) -> None:
+    # The script lives outside the run's working folder; its own folder's imports are guarded too.
+    folder = tmp_path / "code"
+    folder.mkdir(mode=0o700)
+    (folder / "train.py").write_text("import helper_mod_sentineld_test\nclass Net:\n    pass\n")
+    sibling = folder / "helper_mod_sentineld_test.py"
+    sibling.write_text("X = 1\n")
+    os.chmod(folder / "train.py", 0o600)
+    os.chmod(sibling, 0o660)
+    ref = _ref(folder / "train.py", "Net")
+    with pytest.raises(UntrustedError, match="refusing to import 'helper_mod_sentineld_test'.*writable by group"):
+        load_class(ref, str(tmp_path), trust=False)
+    os.chmod(sibling, 0o600)
+    assert load_class(ref, str(tmp_path), trust=False).__name__ == "Net"
+
+
 def test_class_ref_of_an_importable_class_names_no_script() -> None:
     from sentineld.contracts.recipe import Recipe
 

@@ -366,6 +366,12 @@ def demo(fault: str, runs_dir: str | None, notify: tuple[str, ...], epochs: int,
     sys.exit(run_demo(fault, runs_dir, notify, epochs, timeout_s))
 
 
+from .report.command import report  # noqa: E402 - issue 12
+cli.add_command(report)
+from .regress.command import regress  # noqa: E402 - issue 12
+cli.add_command(regress)
+
+
 def main() -> None:
     """Console-script entry point."""
     cli()

@@ -8,6 +8,7 @@ secret can leak into a message.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Iterable, Mapping
 
 __all__ = ["alert_text", "recovery_text", "verdict_text", "replay_failed_text"]
@@ -67,6 +68,11 @@ def verdict_text(report: Mapping[str, Any]) -> tuple[str, str]:
     ev = report.get("evidence") or {}
     if phase == "data" and ev.get("field"):
         lines.append(f"field: {ev['field']} samples: {ev.get('samples')}")
+    if report.get("capture"):  # captures live in the run directory; so does its report
+        run_dir = os.path.dirname(str(report["capture"]))
+        lines.append(f"report: write it with `sentineld report {run_dir}` "
+                     f"(to {os.path.join(run_dir, 'report.html')}); a regression test with "
+                     f"`sentineld regress {run_dir}`")
     return title, "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,1 @@
+"""``sentineld regress``: turn a captured incident into a permanent pytest regression test."""

@@ -25,6 +25,8 @@ __all__ = ["Curves", "LayerGrid", "Marker", "Hist", "ReportData", "curves", "lay
 MAX_POINTS = 4000
 #: Most step columns of a heatmap (sampled steps beyond that are thinned the same way).
 MAX_COLUMNS = 400
+#: Most module rows of a heatmap: modules with a NaN/Inf come first, then model order.
+MAX_ROWS = 48
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class LayerGrid:
     steps: np.ndarray
     values: np.ndarray
     missing: np.ndarray
+    total_modules: int = 0
 
 
 @dataclass(frozen=True)
@@ -140,11 +143,13 @@ def curves(records: Sequence[StepRecord], limit: int = MAX_POINTS) -> Curves:
     return Curves(steps[i], loss[i], gn[i], lr[i], gp[i], lp[i])
 
 
-def layer_grid(records: Sequence[StepRecord], stat: str, limit: int = MAX_COLUMNS) -> LayerGrid:
+def layer_grid(records: Sequence[StepRecord], stat: str, limit: int = MAX_COLUMNS,
+               max_rows: int = MAX_ROWS) -> LayerGrid:
     """``stat`` (a :class:`~sentineld.records.LayerStats` field) per module over the sampled steps.
 
     Modules keep the order the agent reported them in (module order of the model); only modules
-    with at least one value of ``stat`` appear.
+    with at least one value of ``stat`` appear, at most ``max_rows`` of them (those with a NaN/Inf
+    first); ``total_modules`` counts them all.
     """
     sampled = [r for r in records if r.layers]
     modules: list[str] = []
@@ -161,9 +166,16 @@ def layer_grid(records: Sequence[StepRecord], stat: str, limit: int = MAX_COLUMN
             v = None if st is None else getattr(st, stat)
             if v is not None:
                 vals[i, j], missing[i, j] = _num(v), False
-    keep = (~np.isfinite(vals) & ~missing).any(axis=0) if len(modules) else None
+    bad = ~np.isfinite(vals) & ~missing
+    keep = bad.any(axis=0) if len(modules) else None
     idx = thin_indices(len(sampled), keep, limit)
-    return LayerGrid(stat, modules, steps[idx], vals[:, idx], missing[:, idx])
+    rows = np.arange(len(modules))
+    if len(modules) > max_rows:
+        first = np.flatnonzero(bad.any(axis=1))[:max_rows]
+        rest = np.setdiff1d(rows, first)[: max_rows - len(first)]
+        rows = np.union1d(first, rest)  # back in model order
+    return LayerGrid(stat, [modules[i] for i in rows], steps[idx], vals[np.ix_(rows, idx)],
+                     missing[np.ix_(rows, idx)], len(modules))
 
 
 def dead_or_saturated_grid(records: Sequence[StepRecord], limit: int = MAX_COLUMNS) -> LayerGrid:
@@ -173,14 +185,14 @@ def dead_or_saturated_grid(records: Sequence[StepRecord], limit: int = MAX_COLUM
     sat = layer_grid(records, "saturated_fraction", limit)
     if not sat.modules:
         return LayerGrid("dead_or_saturated", [f"{m} (dead)" for m in dead.modules], dead.steps,
-                         dead.values, dead.missing)
+                         dead.values, dead.missing, dead.total_modules)
     if not dead.modules:
         return LayerGrid("dead_or_saturated", [f"{m} (saturated)" for m in sat.modules], sat.steps,
-                         sat.values, sat.missing)
+                         sat.values, sat.missing, sat.total_modules)
     # Both: the same records were thinned the same way, so the step columns match.
     names = [f"{m} (dead)" for m in dead.modules] + [f"{m} (saturated)" for m in sat.modules]
     return LayerGrid("dead_or_saturated", names, dead.steps, np.vstack([dead.values, sat.values]),
-                     np.vstack([dead.missing, sat.missing]))
+                     np.vstack([dead.missing, sat.missing]), dead.total_modules + sat.total_modules)
 
 
 def alert_markers(notes: Iterable[Notification]) -> list[Marker]:

@@ -78,8 +78,10 @@ def _layers(r: ReportData, plots: list[str]) -> str:
                                 "layers every layer_every steps; 0 turns it off)"))
             continue
         plots.append(g.name)
+        shown = (f"; {len(g.modules)} of {g.total_modules} modules (those with NaN/Inf first)"
+                 if g.total_modules > len(g.modules) else "")
         out.append(_figure(g.name, f.heatmap_svg(g, title, log, r.markers),
-                           f"{caption}; grey: no value at that step, red cross: NaN/Inf"))
+                           f"{caption}; grey: no value at that step, red cross: NaN/Inf{shown}"))
     return "".join(out)
 
 

@@ -79,3 +79,60 @@ def test_a_run_without_recipe_is_refused(project_run: dict, tmp_path: Path) -> N
     r = _cli("regress", str(run_dir), "-o", str(tmp_path / "out"))
     assert r.returncode == 2 and "recorded no recipe" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+ADAM_EPS = '''"""The zoo's adam_eps_fp16 fault as a user's module: a float16 model, Adam(eps=1e-8)."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sentineld.recipe import Recipe
+
+EPS = 1e-8  # rounds to 0 in float16: 0/0 for embedding rows no batch has touched yet
+
+
+class BagNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(64, 16, mode="mean")
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, tokens):
+        return self.head(self.emb(tokens))
+
+
+def _ce(model, batch):
+    tokens, y = batch
+    return F.cross_entropy(model(tokens).float(), y)
+
+
+def make_recipe(seed=0):
+    torch.manual_seed(seed)
+    model = BagNet().half()
+    return Recipe(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3, eps=EPS), loss_fn=_ce)
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(11000 + step)
+    return torch.randint(0, 48, (8, 5), generator=g), torch.randint(0, 4, (8,), generator=g)
+'''
+
+
+@pytest.mark.slow
+def test_a_fix_of_optimizer_settings_needs_hyperparameters_from_the_recipe(tmp_path: Path) -> None:
+    project = planted.write_project(tmp_path / "project", ADAM_EPS, "bag")
+    run = planted.train(project, tmp_path / "runs", "adam-eps", steps=4)
+    r = _cli("regress", str(run["run_dir"]), "-o", str(project), cwd=project)
+    assert r.returncode == 0, r.stderr
+    test = Path(r.stdout.splitlines()[0])
+    bad = _pytest(test, project)
+    assert bad.returncode == 1 and "step 0: parameters non-finite after the optimizer step: ['emb.weight'" in bad.stdout
+
+    bag = project / "bag.py"
+    bag.write_text(bag.read_text().replace("EPS = 1e-8", "EPS = 1e-4"))
+    # The captured optimizer state still says eps=1e-8: with the default, the fix is not seen...
+    assert _pytest(test, project).returncode == 1
+    # ...with the recipe's settings it is.
+    test.write_text(test.read_text().replace('HYPERPARAMETERS = "capture"', 'HYPERPARAMETERS = "recipe"'))
+    good = _pytest(test, project)
+    assert good.returncode == 0, good.stdout + good.stderr

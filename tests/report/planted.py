@@ -72,28 +72,29 @@ TRAIN = '''import json, sys
 import torch
 from sentineld.agent import attach
 from sentineld.recipe import train_step
-import stuck_sensor
+import MODNAME as project
 
 torch.set_num_threads(1)
 runs_dir, run_id, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-rec = stuck_sensor.make_recipe()
+rec = project.make_recipe()
 watch = attach(rec.model, rec.optimizer, run_id=run_id, runs_dir=runs_dir,
-               recipe="stuck_sensor:make_recipe", metrics_port=0, snapshot_every=5, window=64,
-               layer_every=1, num_classes=4)
+               recipe="MODNAME:make_recipe", metrics_port=0, snapshot_every=5, window=64,
+               layer_every=1)
 with watch:
     for step in range(steps):
-        b = stuck_sensor.batch(step)
+        b = project.batch(step)
         loss = train_step(rec, b)
         watch.step(loss, b)
 print(json.dumps({"captures": [str(p) for p in watch.captures]}))
 '''
 
 
-def write_project(root: Path) -> Path:
-    """Write ``stuck_sensor.py`` and ``train.py`` into ``root`` (created 0700); return ``root``."""
+def write_project(root: Path, module: str = MODULE, name: str = "stuck_sensor") -> Path:
+    """Write the recipe module ``<name>.py`` (defining ``make_recipe`` and ``batch(step)``) and
+    ``train.py`` into ``root`` (created 0700); return ``root``."""
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    (root / "stuck_sensor.py").write_text(MODULE)
-    (root / "train.py").write_text(TRAIN)
+    (root / f"{name}.py").write_text(module)
+    (root / "train.py").write_text(TRAIN.replace("MODNAME", name))
     return root
 
 

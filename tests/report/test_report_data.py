@@ -51,6 +51,13 @@ def test_layer_grid_keeps_module_order_and_marks_missing_cells() -> None:
     assert ds.modules == ["c (dead)", "t (saturated)"] and ds.values[1, -1] == 0.25
 
 
+def test_layer_grid_caps_rows_keeping_modules_with_nonfinite_values() -> None:
+    layers = {f"m{i}": LayerStats(grad_norm=math.inf if i == 90 else 1.0) for i in range(100)}
+    g = d.layer_grid([_rec(0, 1.0, layers=layers)], "grad_norm", max_rows=5)
+    assert g.modules == ["m0", "m1", "m2", "m3", "m90"] and g.total_modules == 100
+    assert math.isinf(g.values[4, 0])
+
+
 def test_hist_counts_nonfinite_and_keeps_the_finite_values() -> None:
     h = d.hist("w", np.array([[1.0, np.nan], [np.inf, -2.0]]), "float32")
     assert (h.numel, h.nonfinite, h.shape) == (4, 2, (2, 2)) and sorted(h.values.tolist()) == [-2.0, 1.0]

@@ -119,6 +119,13 @@ def test_report_escapes_text_from_the_run(planted_run: dict, tmp_path: Path) -> 
     assert "<img src=x" not in html and "&lt;img src=x onerror=alert(1)&gt;" in html
 
 
+def test_report_replay_flag_shows_a_fresh_verdict(planted_run: dict, tmp_path: Path) -> None:
+    out = write_report(planted_run["run_dir"], tmp_path / "r.html", replay=True, state_dir=tmp_path / "none")
+    html = out.read_text()
+    assert "step 7: first non-finite value made in forward, module norm (SampleNorm), op aten.div" in html
+    assert 'content="curves,grad_norm,update_ratio,dead_or_saturated,weights,activations,replay"' in html
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "sentineld", *args], capture_output=True, text=True, timeout=120)
 

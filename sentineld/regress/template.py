@@ -13,7 +13,7 @@ The fixture $fixture holds the captured training state before step $snapshot_ste
 optimizer, scheduler, scaler) and the batches and RNG states of steps $snapshot_step..$step. The
 test rebuilds the model through the recipe $recipe, loads that state and re-runs those steps;
 every one must stay finite: the loss, the gradients after the backward pass and the parameters
-after the optimizer step. On the code that ran the incident it fails at step $step; once the bug
+after the optimizer step. On the code that ran the incident it fails by step $step; once the bug
 is fixed it passes. Run it with pytest from the project's working directory.
 
 HYPERPARAMETERS: "capture" keeps the optimizer settings (lr, eps, betas, ...) that were in effect

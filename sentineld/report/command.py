@@ -44,6 +44,11 @@ def report(run: str, output: str | None, state_dir: str | None, verdict_path: st
                                 trust=trust, rank=rank, activations=not no_activations)
     except (RunDirError, CaptureError, ValueError) as exc:
         _fail(str(exc))
+    except ImportError as exc:
+        if getattr(exc, "name", None) != "matplotlib":
+            raise
+        _fail("sentineld report draws with matplotlib, which is not installed: "
+              "pip install 'sentineld[report]'")
     except OSError as exc:
         _fail(f"cannot write the report: {exc}")
     except Exception as exc:  # noqa: BLE001

@@ -141,3 +141,11 @@ def test_cli_bad_input_exits_2_with_a_reason(tmp_path: Path, planted_run: dict) 
     r = _cli("report", str(planted_run["run_dir"]), "-o", str(tmp_path / "missing-dir" / "r.html"),
              "--no-activations")
     assert r.returncode == 2 and "cannot write the report" in r.stderr
+
+
+def test_without_matplotlib_the_cli_says_what_to_install(planted_run: dict) -> None:
+    # matplotlib blocked in a real interpreter (sys.modules entry None makes its import fail).
+    code = ("import sys; sys.modules['matplotlib'] = None; from sentineld.cli import cli; "
+            f"cli(['report', {str(planted_run['run_dir'])!r}, '--no-activations'])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "pip install 'sentineld[report]'" in r.stderr, r.stderr

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from sentineld.records import StepRecord
+from sentineld.contracts.records import StepRecord
 
 __all__ = ["Latest", "start_exporter"]
 

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sentineld.records import LayerStats
+from sentineld.contracts.records import LayerStats
 
 __all__ = ["ProbeHandle", "attach_probes", "RELU_FAMILY", "SATURATING"]
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import torch
 
-from sentineld.treecodec import map_tensors
+from sentineld.contracts.treecodec import map_tensors
 
 __all__ = ["RingEntry", "Snapshot", "Ring", "to_host", "tree_nbytes"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from sentineld.rundir import valid_run_id
+from sentineld.contracts.rundir import valid_run_id
 
 __all__ = ["dist_rank", "default_run_id", "unwrap", "torch_flags", "unused_run_id"]
 

@@ -41,13 +41,13 @@ from typing import Any, Callable
 
 import torch
 
-from sentineld.capture import CaptureStep, capture_name, write_capture
-from sentineld.diskring import DiskRingWriter
-from sentineld.records import StepRecord, record_to_json
-from sentineld.rng import capture_rng
-from sentineld.rundir import (RunMeta, make_private_dir, stream_path, valid_run_id,
+from sentineld.contracts.capture import CaptureStep, capture_name, write_capture
+from sentineld.daemon.ring_recovery import DiskRingWriter
+from sentineld.contracts.records import StepRecord, record_to_json
+from sentineld.contracts.rng import capture_rng
+from sentineld.contracts.rundir import (RunMeta, make_private_dir, stream_path, valid_run_id,
                               write_run_meta)
-from sentineld.stream import StreamWriter
+from sentineld.contracts.stream import StreamWriter
 
 from .config import AgentConfig, default_runs_dir
 from .exporter import Latest, start_exporter
@@ -576,7 +576,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: A
         run_id: name of the run (default ``$SENTINELD_RUN_ID``, ``$TORCHELASTIC_RUN_ID``, or
             time-host-pid). All ranks of one job must share it.
         runs_dir: parent of run directories (default ``$SENTINELD_RUNS_DIR`` or the user state dir).
-        recipe: ``"module:function"`` returning a :class:`sentineld.recipe.Recipe`; lets the
+        recipe: ``"module:function"`` returning a :class:`sentineld.contracts.recipe.Recipe`; lets the
             replay rebuild model and loss from the run's working directory.
         recipe_args: JSON-ready keyword arguments for the recipe function (stored in run.json).
         scheduler, scaler: the LR scheduler and GradScaler, so snapshots include their state.

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from sentineld.capture import CaptureError, first_rank_capture, open_capture
-from sentineld.recipe import Recipe
-from sentineld.rundir import RunDirError, RunMeta, list_captures, read_run_meta
+from sentineld.contracts.capture import CaptureError, first_rank_capture, open_capture
+from sentineld.contracts.recipe import Recipe
+from sentineld.contracts.rundir import RunDirError, RunMeta, list_captures, read_run_meta
 
 from .localize import localize
 from .rebuild import RebuildError, Rebuilt, load_snapshot, rebuild, torch_globals
@@ -84,7 +84,7 @@ def _factory(meta: RunMeta, recipe_spec: str | None, trust: bool, named_by: list
     spec = recipe_spec or meta.recipe
     if not spec:
         raise ReplayError(f"run {meta.run_id} recorded no recipe; pass --recipe module:function "
-                          "(a function returning sentineld.recipe.Recipe)")
+                          "(a function returning sentineld.contracts.recipe.Recipe)")
     fn = load_recipe_factory(spec, meta.cwd, trust=trust, named_by=named_by)
     return lambda: _build(fn, spec, meta.recipe_args)
 
@@ -96,7 +96,7 @@ def _build(factory: Callable[..., Any], spec: str, args: dict[str, Any]) -> Reci
         raise ReplayError(f"recipe {spec} raised while building the model: "
                           f"{type(exc).__name__}: {exc}") from None
     if not isinstance(recipe, Recipe):
-        raise ReplayError(f"recipe {spec} returned {type(recipe).__name__}, not sentineld.recipe.Recipe")
+        raise ReplayError(f"recipe {spec} returned {type(recipe).__name__}, not sentineld.contracts.recipe.Recipe")
     return recipe
 
 

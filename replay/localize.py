@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from sentineld.recipe import Recipe
+from sentineld.contracts.recipe import Recipe
 
 from .causes import Facts, likely_cause
 from .rebuild import run_step

@@ -1,6 +1,6 @@
 """Rebuild the training state at step N from snapshot S by re-executing steps S..N-1.
 
-Each step is re-run with :func:`sentineld.recipe.train_step` on the recorded batch (all
+Each step is re-run with :func:`sentineld.contracts.recipe.train_step` on the recorded batch (all
 micro-batches), with every RNG restored where the agent read it (the model's first training
 forward of the step), so dropout and noise sampled inside the model draw the same numbers. The
 recipe brings the optimizer, LR scheduler, GradScaler, clipping, accumulation and autocast; the
@@ -21,9 +21,9 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from sentineld.recipe import Recipe, train_step
-from sentineld.rng import restore_rng
-from sentineld.treecodec import map_tensors
+from sentineld.contracts.recipe import Recipe, train_step
+from sentineld.contracts.rng import restore_rng
+from sentineld.contracts.treecodec import map_tensors
 
 from .trace import is_finite, one_thread
 

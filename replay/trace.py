@@ -239,7 +239,7 @@ class Tracer:
     """Observe one step; :attr:`births` holds every birth in execution order.
 
     Use as a context manager around the step; call :meth:`set_phase` as phases change (it is
-    passed to :func:`sentineld.recipe.train_step` as ``on_phase``).
+    passed to :func:`sentineld.contracts.recipe.train_step` as ``on_phase``).
 
     Args:
         model: the model whose modules are named in the report.
@@ -285,7 +285,7 @@ class Tracer:
             self.paused -= 1
 
     def set_phase(self, phase: str) -> None:
-        """Mark the start of ``phase`` (see :data:`sentineld.recipe.PHASES`)."""
+        """Mark the start of ``phase`` (see :data:`sentineld.contracts.recipe.PHASES`)."""
         if phase == "forward":
             self.micro += 1
         self.phase = phase

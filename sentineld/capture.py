@@ -33,7 +33,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from sentineld.treecodec import TreeCodecError, decode, encode, map_tensors
+from sentineld.contracts.treecodec import TreeCodecError, decode, encode, map_tensors
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -61,7 +61,7 @@ class CaptureError(Exception):
 
 @dataclass(frozen=True)
 class CaptureStep:
-    """One recorded step: its index, batch (tree of CPU tensors) and RNG state (see sentineld.rng)."""
+    """One recorded step: its index, batch (tree of CPU tensors) and RNG state (see sentineld.contracts.rng)."""
 
     step: int
     batch: Any
@@ -119,7 +119,7 @@ def write_step(group: Any, st: CaptureStep) -> None:
     """Write one step's batch and RNG state into an HDF5 group (layout of ``/steps/<step>``)."""
     _write_tree(group.create_group("batch"), st.batch)
     if st.rng is not None:
-        from sentineld.rng import rng_to_json  # noqa: PLC0415
+        from sentineld.contracts.rng import rng_to_json  # noqa: PLC0415
 
         meta, arrays = rng_to_json(dict(st.rng))
         group.create_dataset("rng_meta", data=json.dumps(meta))
@@ -382,7 +382,7 @@ class Capture:
             batch = _read_tree(g["batch"])
             rng = None
             if "rng_meta" in g:
-                from sentineld.rng import rng_from_json  # noqa: PLC0415
+                from sentineld.contracts.rng import rng_from_json  # noqa: PLC0415
 
                 meta = json.loads(_read_str(g["rng_meta"]))
                 rng = rng_from_json(meta, {k: v[()] for k, v in g["rng"].items()})

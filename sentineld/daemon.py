@@ -8,10 +8,10 @@ Threads, each waiting on the stop event with a timeout (never a bare sleep):
   for new captures and recoveries for on-disk rings of dead processes, and writes
   ``status.json``;
 - delivery: sends due outbox notifications (retry with backoff; crash protocol in
-  :mod:`sentineld.delivery`);
+  :mod:`sentineld.daemon.delivery`);
 - replay: runs one replay subprocess at a time (timeout, memory limit) and enqueues its verdict;
 - recover: turns the on-disk ring of a training process that died without closing (SIGKILL,
-  OOM killer) into a ``crash`` capture (:mod:`sentineld.diskring`), which is then replayed.
+  OOM killer) into a ``crash`` capture (:mod:`sentineld.daemon.ring_recovery`), which is then replayed.
 
 Once per incident comes from the outbox's deterministic ids plus saved per-run progress
 (stream offsets, the window's start, active signatures, captures seen) and per-capture replay

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sentineld.recipe import Recipe
+from sentineld.contracts.recipe import Recipe
 
 __all__ = ["FAULTS", "Standardize", "DigitsNet", "load_digits_tensors", "make_recipe", "loss_fn"]
 

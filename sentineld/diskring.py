@@ -21,7 +21,7 @@ snapshots, and at most ``window`` steps, none older than the older snapshot.
 A clean ``close`` deletes the directory. One left behind whose ``lock`` is free belongs to a dead
 process: :func:`recover_ring` (run by the daemon on the training host, or ``sentineld recover``)
 turns it into ``capture-rank<R>-step<N>-crash.h5`` (snapshot S, steps S..N, records from the step
-files and the stream; the capture layout of :mod:`sentineld.capture`) and deletes it. Recovery
+files and the stream; the capture layout of :mod:`sentineld.contracts.capture`) and deletes it. Recovery
 needs h5py and numpy, not torch.
 """
 

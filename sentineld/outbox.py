@@ -11,7 +11,7 @@ Delivery state is kept per destination (``targets``: destination key -> state):
 - ``pending``: not sent yet, or the last attempt failed (retried with doubling backoff);
 - ``sending``: written and fsynced *before* the send starts. A daemon that finds this state after
   a restart knows it died during that send and cannot know whether the destination took it: the
-  delivery layer then decides per destination (see :mod:`sentineld.delivery`);
+  delivery layer then decides per destination (see :mod:`sentineld.daemon.delivery`);
 - ``delivered``: the destination took it; never sent there again;
 - ``dropped``: the destination is no longer configured.
 

@@ -3,8 +3,8 @@
 ``<runs_dir>/<run_id>/`` holds
 
 - ``run.json``: run metadata (:class:`RunMeta`), written once by each rank (same content but pid).
-- ``stream-rank<R>.jsonl``: one JSON object per line (see :mod:`sentineld.stream`).
-- ``capture-rank<R>-step<N>-<trigger>.h5``: captures (see :mod:`sentineld.capture`).
+- ``stream-rank<R>.jsonl``: one JSON object per line (see :mod:`sentineld.contracts.stream`).
+- ``capture-rank<R>-step<N>-<trigger>.h5``: captures (see :mod:`sentineld.contracts.capture`).
 
 Directories are created 0700 and files 0600: a run directory holds batches of training data and
 names code that replay will import.
@@ -48,7 +48,7 @@ class RunMeta:
 
     Attributes:
         run_id: the run's name (letters, digits, ``._-``; at most 128 characters).
-        recipe: ``"module:function"`` returning a :class:`sentineld.recipe.Recipe`, imported by the
+        recipe: ``"module:function"`` returning a :class:`sentineld.contracts.recipe.Recipe`, imported by the
             replay from ``cwd``; None when the run gave none (replay then needs ``--recipe``).
         recipe_args: keyword arguments (JSON values) the replay passes to the recipe function.
         python: interpreter that ran training (the replay runs with the same one).

@@ -101,7 +101,7 @@ def _parse_record(obj: dict[str, Any]) -> StepRecord | None:
 class RunWatch:
     """State of one watched run. ``error`` holds why its files cannot be read (it is retried).
 
-    Streams are read a bounded chunk at a time (:data:`sentineld.stream.CHUNK_BYTES`) and handed
+    Streams are read a bounded chunk at a time (:data:`sentineld.contracts.stream.CHUNK_BYTES`) and handed
     out at most ``max_records`` step records per rank per :meth:`poll`, so a daemon catching up
     on a long stream holds a bounded slice of it and evaluates every part of it (a window of
     ``window`` records, evaluated every ``window // 2`` records, sees every record).

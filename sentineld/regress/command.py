@@ -16,9 +16,9 @@ __all__ = ["regress"]
 @click.option("--runs-dir", type=click.Path(file_okay=False), default=None)
 def regress(run: str, step: int | None, out_dir: str, rank: int | None, runs_dir: str | None) -> None:
     """Write a pytest regression test (and its HDF5 fixture) that RUN's offending step stays finite."""
-    from sentineld.capture import CaptureError  # noqa: PLC0415
+    from sentineld.contracts.capture import CaptureError  # noqa: PLC0415
     from sentineld.cli import _fail, _run_dir  # noqa: PLC0415
-    from sentineld.rundir import RunDirError  # noqa: PLC0415
+    from sentineld.contracts.rundir import RunDirError  # noqa: PLC0415
 
     from .write import write_regression  # noqa: PLC0415
 

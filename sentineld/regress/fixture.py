@@ -1,6 +1,6 @@
 """The regression fixture: a trimmed capture holding only what the offending step needs.
 
-It is a capture file (same writer and reader, :mod:`sentineld.capture`): the snapshot before step
+It is a capture file (same writer and reader, :mod:`sentineld.contracts.capture`): the snapshot before step
 S, and the batches and RNG states of steps S..N, N being the offending step. Steps after N and the
 recorded gradients are left out.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sentineld.capture import CaptureError, open_capture, write_capture
+from sentineld.contracts.capture import CaptureError, open_capture, write_capture
 
 __all__ = ["write_fixture"]
 

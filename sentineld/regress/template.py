@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from sentineld.capture import open_capture
+from sentineld.contracts.capture import open_capture
 from sentineld.replay.rebuild import load_snapshot, run_step, torch_globals
 
 FIXTURE = Path(__file__).with_name($fixture_repr)

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from sentineld.rundir import read_run_meta
+from sentineld.contracts.rundir import read_run_meta
 
 from .fixture import write_fixture
 from .template import render_test

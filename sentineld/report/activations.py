@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from sentineld.capture import open_capture
-from sentineld.recipe import Recipe
-from sentineld.rng import restore_rng
-from sentineld.rundir import RunMeta
+from sentineld.contracts.capture import open_capture
+from sentineld.contracts.recipe import Recipe
+from sentineld.contracts.rng import restore_rng
+from sentineld.contracts.rundir import RunMeta
 
 from . import data as d
 from .sources import MAX_HISTS
@@ -32,7 +32,7 @@ def _recipe(meta: RunMeta, cap_path: Path, run_dir: Path, trust: bool) -> Recipe
                              named_by=[p for p in (run_dir / "run.json", cap_path) if p.exists()])
     rec = fn(**meta.recipe_args)
     if not isinstance(rec, Recipe):
-        raise TypeError(f"recipe {meta.recipe} returned {type(rec).__name__}, not sentineld.recipe.Recipe")
+        raise TypeError(f"recipe {meta.recipe} returned {type(rec).__name__}, not sentineld.contracts.recipe.Recipe")
     return rec
 
 

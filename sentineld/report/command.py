@@ -28,9 +28,9 @@ def report(run: str, output: str | None, state_dir: str | None, verdict_path: st
            no_activations: bool, trust: bool, rank: int, runs_dir: str | None) -> None:
     """Write one self-contained HTML report of RUN (an id or a directory)."""
     logging.basicConfig(level=logging.WARNING, format="sentineld: %(message)s", stream=sys.stderr)
-    from sentineld.capture import CaptureError  # noqa: PLC0415
+    from sentineld.contracts.capture import CaptureError  # noqa: PLC0415
     from sentineld.cli import _fail, _run_dir, _safe_state_dir, _stdout_to_stderr  # noqa: PLC0415
-    from sentineld.rundir import RunDirError  # noqa: PLC0415
+    from sentineld.contracts.rundir import RunDirError  # noqa: PLC0415
 
     from .build import write_report  # noqa: PLC0415
 

@@ -1,8 +1,8 @@
 """What a report shows, as plain data, and the pure functions that derive it from a run's records.
 
 Nothing here reads files or imports torch: :mod:`sentineld.report.sources` reads the run directory
-through the project's readers and hands lists of :class:`~sentineld.records.StepRecord` and
-:class:`~sentineld.outbox.Notification` here.
+through the project's readers and hands lists of :class:`~sentineld.contracts.records.StepRecord` and
+:class:`~sentineld.daemon.outbox.Notification` here.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from sentineld.outbox import Notification
-from sentineld.records import StepRecord
+from sentineld.daemon.outbox import Notification
+from sentineld.contracts.records import StepRecord
 
 __all__ = ["Curves", "LayerGrid", "Marker", "Hist", "ReportData", "curves", "layer_grid",
            "dead_or_saturated_grid", "alert_markers", "alert_rows", "capture_markers", "thin_indices", "hist",
@@ -145,7 +145,7 @@ def curves(records: Sequence[StepRecord], limit: int = MAX_POINTS) -> Curves:
 
 def layer_grid(records: Sequence[StepRecord], stat: str, limit: int = MAX_COLUMNS,
                max_rows: int = MAX_ROWS) -> LayerGrid:
-    """``stat`` (a :class:`~sentineld.records.LayerStats` field) per module over the sampled steps.
+    """``stat`` (a :class:`~sentineld.contracts.records.LayerStats` field) per module over the sampled steps.
 
     Modules keep the order the agent reported them in (module order of the model); only modules
     with at least one value of ``stat`` appear, at most ``max_rows`` of them (those with a NaN/Inf

@@ -1,8 +1,8 @@
 """Read what a report shows from a run directory and the daemon's state directory.
 
-Every file is read through the project's readers: ``run.json`` by :mod:`sentineld.rundir`, the
-stream by :mod:`sentineld.stream` and :func:`~sentineld.records.record_from_json`, captures by
-:mod:`sentineld.capture`, the daemon's outbox notifications by :mod:`sentineld.outbox`. Nothing
+Every file is read through the project's readers: ``run.json`` by :mod:`sentineld.contracts.rundir`, the
+stream by :mod:`sentineld.contracts.stream` and :func:`~sentineld.contracts.records.record_from_json`, captures by
+:mod:`sentineld.contracts.capture`, the daemon's outbox notifications by :mod:`sentineld.daemon.outbox`. Nothing
 here writes to either directory.
 """
 
@@ -14,11 +14,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from sentineld.capture import CaptureError, open_capture
-from sentineld.outbox import Notification, Outbox
-from sentineld.records import StepRecord, record_from_json
-from sentineld.rundir import list_captures, read_run_meta, stream_path
-from sentineld.stream import StreamTail
+from sentineld.contracts.capture import CaptureError, open_capture
+from sentineld.daemon.outbox import Notification, Outbox
+from sentineld.contracts.records import StepRecord, record_from_json
+from sentineld.contracts.rundir import list_captures, read_run_meta, stream_path
+from sentineld.contracts.stream import StreamTail
 
 from . import data as d
 

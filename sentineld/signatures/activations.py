@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from sentineld.records import StepRecord
+from sentineld.contracts.records import StepRecord
 
 from .base import Verdict, layer_value, make_verdict, sampled_layers, step_of
 

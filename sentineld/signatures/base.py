@@ -1,7 +1,7 @@
 """What every signature shares: the :class:`Verdict` it returns and small, total helpers.
 
 A signature (detector) is a pure function ``(records, config, ...) -> list[Verdict]`` over a window
-of :class:`~sentineld.records.StepRecord`, oldest first. It does no I/O, imports no torch and never
+of :class:`~sentineld.contracts.records.StepRecord`, oldest first. It does no I/O, imports no torch and never
 raises: odd input (nan, None fields, an empty window, a record without layers) yields no verdict
 rather than an exception. The helpers here are what makes that cheap to honour.
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, Iterator, Literal, Mapping, Sequence
 
-from sentineld.records import LayerStats, StepRecord
+from sentineld.contracts.records import LayerStats, StepRecord
 
 __all__ = ["Verdict", "Severity", "SIGNATURES", "make_verdict", "as_float", "finite", "median",
            "robust_sigma", "finite_losses", "chunk_medians", "tail", "trailing", "sampled_layers",

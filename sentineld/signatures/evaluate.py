@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence
 
-from sentineld.records import StepRecord
+from sentineld.contracts.records import StepRecord
 
 from .activations import detect_dead_relu, detect_saturated_activation
 from .base import Verdict

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from sentineld.records import LayerStats, StepRecord
+from sentineld.contracts.records import LayerStats, StepRecord
 
 from .base import (Verdict, finite, layer_value, make_verdict, median, sampled_layers, step_of,
                    tail, trailing)

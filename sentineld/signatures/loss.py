@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from sentineld.records import StepRecord
+from sentineld.contracts.records import StepRecord
 
 from .base import (Verdict, chunk_medians, finite, finite_losses, make_verdict, median,
                    robust_sigma, step_of, tail)

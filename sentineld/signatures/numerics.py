@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from sentineld.records import StepRecord
+from sentineld.contracts.records import StepRecord
 
 from .base import Verdict, as_float, finite, make_verdict, step_of, trailing
 

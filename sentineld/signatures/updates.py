@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from sentineld.records import StepRecord
+from sentineld.contracts.records import StepRecord
 
 from .base import (Verdict, finite, layer_value, make_verdict, median, sampled_layers, step_of,
                    trailing)

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sentineld.agent import attach
-from sentineld.capture import open_capture
-from sentineld.recipe import train_step
+from sentineld.contracts.capture import open_capture
+from sentineld.contracts.recipe import train_step
 from sentineld.replay import replay_run
 
 from .conftest import problems
@@ -161,7 +161,7 @@ def test_non_builtin_container_batch_still_gives_a_capture(tmp_path, kind):
 NT_RECIPE = '''
 import collections
 import torch, torch.nn as nn, torch.nn.functional as F
-from sentineld.recipe import Recipe
+from sentineld.contracts.recipe import Recipe
 
 Pair = collections.namedtuple("Pair", "x y")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sentineld.capture import CaptureStep, open_capture, write_capture
+from sentineld.contracts.capture import CaptureStep, open_capture, write_capture
 
 
 def test_gradients_of_parameters_named_with_a_slash_read_back(tmp_path):

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sentineld.agent import attach
-from sentineld.capture import open_capture
-from sentineld.rundir import read_run_meta, valid_run_id
+from sentineld.contracts.capture import open_capture
+from sentineld.contracts.rundir import read_run_meta, valid_run_id
 
 from .conftest import problems, stream
 

@@ -246,7 +246,7 @@ def test_loop_that_never_calls_the_top_level_forward_still_captures(tmp_path):
 
 MODULE_ATTR_RECIPE = '''
 import torch, torch.nn as nn, torch.nn.functional as F
-from sentineld.recipe import Recipe
+from sentineld.contracts.recipe import Recipe
 
 class Net(nn.Module):
     """An ordinary model that happens to name a submodule ``module``."""
@@ -272,7 +272,7 @@ def make_plain():
 
 
 def _nan_run(rec, spec, runs, run_id):
-    from sentineld.recipe import train_step
+    from sentineld.contracts.recipe import train_step
     w = attach(rec.model, rec.optimizer, run_id=run_id, runs_dir=runs,
                recipe=spec, metrics_port=0, snapshot_every=2)
     g = torch.Generator().manual_seed(0)
@@ -309,7 +309,7 @@ def test_torch_compiled_model_replays_with_the_plain_recipe_model(project):
     Today the snapshot keys are ``_orig_mod.0.weight``..., and the replay fails with "the model
     cannot be rebuilt" (exit 2).
     """
-    from sentineld.recipe import Recipe, train_step
+    from sentineld.contracts.recipe import Recipe, train_step
     p = project(MODULE_ATTR_RECIPE)
     rec = p.module.make_plain()
     compiled = torch.compile(rec.model, backend="eager")

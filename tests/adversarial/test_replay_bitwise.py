@@ -1,7 +1,7 @@
 """The replay rebuilds unusual-but-legitimate runs bit for bit (regression guards).
 
 Each recipe module holds ``make()`` (the Recipe) and ``batches()``; training goes through
-``sentineld.recipe.train_step`` with the agent attached, a NaN planted in the batch of step 6, and
+``sentineld.contracts.recipe.train_step`` with the agent attached, a NaN planted in the batch of step 6, and
 whatever the scenario adds between steps (validation, RNG draws). The replay must rebuild steps
 S..5 with every loss bitwise equal (``reproduced``) and blame the data.
 """
@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from sentineld.agent import attach
-from sentineld.recipe import train_step
+from sentineld.contracts.recipe import train_step
 from sentineld.replay import replay_run
 
 from .conftest import problems
 
 COMMON = '''
 import torch, torch.nn as nn, torch.nn.functional as F
-from sentineld.recipe import Recipe
+from sentineld.contracts.recipe import Recipe
 
 def batches(n=8, dtype=torch.float32, bad=6, shape=(8, 4)):
     g = torch.Generator().manual_seed(1)

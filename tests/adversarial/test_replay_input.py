@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from sentineld.agent import attach
-from sentineld.capture import CaptureError
-from sentineld.recipe import train_step
+from sentineld.contracts.capture import CaptureError
+from sentineld.contracts.recipe import train_step
 from sentineld.replay import replay_run
 from sentineld.replay.engine import ReplayError
 from sentineld.replay.trust import RecipeError, UntrustedError
-from sentineld.rundir import RunDirError
+from sentineld.contracts.rundir import RunDirError
 
 from .conftest import cli_replay
 
@@ -33,7 +33,7 @@ DOCUMENTED = (ReplayError, CaptureError, RunDirError, RecipeError, UntrustedErro
 SRC = textwrap.dedent('''
     import sys
     import torch, torch.nn as nn, torch.nn.functional as F
-    from sentineld.recipe import Recipe
+    from sentineld.contracts.recipe import Recipe
 
     def make():
         torch.manual_seed(0)

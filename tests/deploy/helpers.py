@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 
 
-#: Series names deploy/ may use besides sentineld's own (sentineld/metric_names.py).
+#: Series names deploy/ may use besides sentineld's own (sentineld/contracts/metric_names.py).
 PROMETHEUS_BUILTINS = {"up", "ALERTS", "ALERTS_FOR_STATE"}
 
 _PROMQL_WORDS = {"and", "or", "unless", "bool", "offset", "Inf", "NaN", "inf", "nan"}

@@ -1,4 +1,4 @@
-"""sentineld/alertmanager.py: pure parts as truth tables, transport against a real Alertmanager
+"""sentineld/daemon/alertmanager.py: pure parts as truth tables, transport against a real Alertmanager
 whose webhook receiver points at an HTTP server in the test."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from .helpers import HttpSink, Server, free_port, http_json, wait_for
-from sentineld.alertmanager import (
+from sentineld.daemon.alertmanager import (
     ActiveAlerts,
     AlertmanagerError,
     alert_labels,

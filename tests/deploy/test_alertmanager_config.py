@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from .helpers import DEPLOY, HttpSink, Server, free_port, http_json, require_binary, wait_for
-from sentineld.alertmanager import post_alerts, to_am_alert
+from sentineld.daemon.alertmanager import post_alerts, to_am_alert
 
 AM_DIR = DEPLOY / "alertmanager"
 CONFIG = AM_DIR / "alertmanager.yml"

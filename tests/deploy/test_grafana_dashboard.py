@@ -22,7 +22,7 @@ from .helpers import (
     substitute,
     template_variables,
 )
-from sentineld import metric_names
+from sentineld.contracts import metric_names
 
 GRAFANA = DEPLOY / "grafana"
 DATASOURCES = GRAFANA / "provisioning" / "datasources" / "prometheus.yml"
@@ -126,7 +126,7 @@ def test_metric_names_exist() -> None:
     for where, expr in all_queries():
         used = promql_metric_names(expr)
         assert used, where
-        assert used <= known, f"{where} uses {used - known}, not in sentineld/metric_names.py"
+        assert used <= known, f"{where} uses {used - known}, not in sentineld/contracts/metric_names.py"
 
 
 @pytest.fixture(scope="module")

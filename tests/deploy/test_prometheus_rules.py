@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from .helpers import DEPLOY, PROMETHEUS_BUILTINS, promql_metric_names, require_binary
-from sentineld import metric_names
+from sentineld.contracts import metric_names
 
 PROM = DEPLOY / "prometheus"
 RULES = PROM / "rules.yml"
@@ -56,7 +56,7 @@ def test_rules_use_only_exported_metric_names() -> None:
         used = promql_metric_names(rule["expr"])
         assert used, rule["alert"]
         unknown = used - set(metric_names.ALL) - PROMETHEUS_BUILTINS
-        assert not unknown, f"{rule['alert']} uses {unknown}, not in sentineld/metric_names.py"
+        assert not unknown, f"{rule['alert']} uses {unknown}, not in sentineld/contracts/metric_names.py"
 
 
 def test_every_rule_has_severity_annotations_and_runbook() -> None:

@@ -160,7 +160,7 @@ def test_loss_and_grad_norm_series(scraped_run: ScrapedRun) -> None:
 
 
 def test_every_exported_name_is_in_metric_names(scraped_run: ScrapedRun) -> None:
-    from sentineld import metric_names
+    from sentineld.contracts import metric_names
 
     series = scraped_run.query('{job="sentineld-agents", __name__=~"sentineld_.*"}',
                                scraped_run.healthy_end_s)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sentineld.capture import open_capture
+from sentineld.contracts.capture import open_capture
 from tests.conftest import REPO, get_free_port, wait_until
 
 DDP = Path(__file__).with_name("ddp_train.py")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sentineld.capture import open_capture
+from sentineld.contracts.capture import open_capture
 from tests.report import planted
 
 
@@ -86,7 +86,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sentineld.recipe import Recipe
+from sentineld.contracts.recipe import Recipe
 
 EPS = 1e-8  # rounds to 0 in float16: 0/0 for embedding rows no batch has touched yet
 

@@ -6,8 +6,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from sentineld.capture import open_capture
-from sentineld.stream import read_stream
+from sentineld.contracts.capture import open_capture
+from sentineld.contracts.stream import read_stream
 
 
 def check_capture(path: Path) -> dict[str, Any]:
@@ -54,9 +54,9 @@ def write_run(runs_dir: Path, run_id: str, steps: int, nan_at: set[int] | frozen
     import socket
     import time
 
-    from sentineld.records import StepRecord, record_to_json
-    from sentineld.rundir import RunMeta, make_private_dir, stream_path, write_run_meta
-    from sentineld.stream import StreamWriter
+    from sentineld.contracts.records import StepRecord, record_to_json
+    from sentineld.contracts.rundir import RunMeta, make_private_dir, stream_path, write_run_meta
+    from sentineld.contracts.stream import StreamWriter
 
     run_dir = make_private_dir(runs_dir / run_id)
     write_run_meta(run_dir, RunMeta(run_id=run_id, started_s=time.time(), **meta))

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sentineld.capture import CaptureStep, write_capture
-from sentineld.rundir import RunMeta, make_private_dir, write_run_meta
+from sentineld.contracts.capture import CaptureStep, write_capture
+from sentineld.contracts.rundir import RunMeta, make_private_dir, write_run_meta
 from tests.conftest import REPO, wait_until
 
 from .checks import write_run

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from sentineld.outbox import Notification, Outbox
+from sentineld.daemon.outbox import Notification, Outbox
 from tests.conftest import wait_until
 
 from .checks import write_run

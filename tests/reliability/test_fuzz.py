@@ -12,11 +12,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sentineld.capture import CaptureError, CaptureStep, open_capture, write_capture
-from sentineld.rundir import RunMeta, make_private_dir, write_run_meta
-from sentineld.runwatch import RunWatch
+from sentineld.contracts.capture import CaptureError, CaptureStep, open_capture, write_capture
+from sentineld.contracts.rundir import RunMeta, make_private_dir, write_run_meta
+from sentineld.daemon.runwatch import RunWatch
 from sentineld.signatures import evaluate
-from sentineld.stream import read_stream
+from sentineld.contracts.stream import read_stream
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

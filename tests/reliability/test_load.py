@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from sentineld.records import StepRecord, record_to_json
-from sentineld.rundir import RunMeta, make_private_dir, stream_path, write_run_meta
-from sentineld.stream import StreamWriter
+from sentineld.contracts.records import StepRecord, record_to_json
+from sentineld.contracts.rundir import RunMeta, make_private_dir, stream_path, write_run_meta
+from sentineld.contracts.stream import StreamWriter
 from tests.conftest import wait_until
 
 LONG_STEPS = 1_000_000

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from sentineld.agent import attach
-from sentineld.replayer import run_replay_subprocess
-from sentineld.rundir import RunMeta
+from sentineld.daemon.replay_runner import run_replay_subprocess
+from sentineld.contracts.rundir import RunMeta
 from tests.conftest import REPO, get_free_port, wait_until
 
 from .checks import write_run

@@ -74,7 +74,7 @@ def train(spec: dict) -> None:
 
 def make_recipe(hidden: int = 256):
     """The trials' model as a replay recipe (``tests.reliability.zygote:make_recipe``)."""
-    from sentineld.recipe import Recipe
+    from sentineld.contracts.recipe import Recipe
 
     model, opt = make_model(hidden)
     return Recipe(model=model, optimizer=opt, loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
@@ -117,8 +117,8 @@ if __name__ == "__main__":
         # exists yet, so forking stays safe): the optimizer pulls in torch._dynamo (seconds).
         import h5py  # noqa: F401
 
-        import sentineld.diskring  # noqa: F401
-        import sentineld.rng  # noqa: F401
+        import sentineld.daemon.ring_recovery  # noqa: F401
+        import sentineld.contracts.rng  # noqa: F401
 
         make_model(8)
         print(json.dumps({"ready": True}), flush=True)

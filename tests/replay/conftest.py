@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from sentineld.agent import attach
-from sentineld.recipe import train_step
+from sentineld.contracts.recipe import train_step
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,7 +42,7 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]
 MINI = textwrap.dedent('''
     import torch
     import torch.nn.functional as F
-    from sentineld.recipe import Recipe
+    from sentineld.contracts.recipe import Recipe
 
     def make(hidden: int = 8) -> Recipe:
         torch.manual_seed(0)

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from sentineld.cli import cli
-from sentineld.rundir import list_captures
+from sentineld.contracts.rundir import list_captures
 
 from .conftest import edit_run_json
 

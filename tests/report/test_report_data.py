@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sentineld.messages import verdict_text
-from sentineld.outbox import Notification, Outbox
-from sentineld.records import LayerStats, StepRecord
+from sentineld.daemon.messages import verdict_text
+from sentineld.daemon.outbox import Notification, Outbox
+from sentineld.contracts.records import LayerStats, StepRecord
 from sentineld.report import default_report_path, write_report
 from sentineld.report import data as d
 from sentineld.report.sources import read_notifications, read_verdict

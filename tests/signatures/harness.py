@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sentineld.agent.probes import attach_probes
-from sentineld.records import StepRecord
+from sentineld.contracts.records import StepRecord
 
 __all__ = ["Loop", "digits", "batches", "train", "mlp", "cnn_bn", "transformer"]
 

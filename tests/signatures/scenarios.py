@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.signatures.harness import Loop, batches, cnn_bn, digits, mlp, train, transformer
-from sentineld.records import StepRecord
+from sentineld.contracts.records import StepRecord
 from sentineld.signatures import SignatureConfig, Verdict, evaluate
 
 __all__ = ["Scenario", "HEALTHY", "FAULTY", "records_of", "replay_daemon", "first_fire",

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sentineld.records import LayerStats, StepRecord
+from sentineld.contracts.records import LayerStats, StepRecord
 from sentineld.signatures import SIGNATURES, SignatureConfig, Verdict, evaluate
 from sentineld.signatures import activations, gradients, liveness, loss, numerics, updates
 

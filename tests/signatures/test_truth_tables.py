@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import pytest
 
-from sentineld.records import LayerStats, StepRecord
+from sentineld.contracts.records import LayerStats, StepRecord
 from sentineld.signatures import (SIGNATURES, SignatureConfig, Verdict, detect_dead_relu,
                                   detect_divergence_growth, detect_divergence_spike,
                                   detect_exploding_gradients, detect_forgotten_zero_grad,

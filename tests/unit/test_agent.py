@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from sentineld.agent import AgentConfig, attach
-from sentineld.capture import open_capture
-from sentineld.records import record_from_json
+from sentineld.contracts.capture import open_capture
+from sentineld.contracts.records import record_from_json
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

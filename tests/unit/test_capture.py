@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from sentineld.capture import CaptureError, CaptureStep, open_capture, write_capture
-from sentineld.rng import capture_rng, restore_rng
-from sentineld.treecodec import TreeCodecError, decode, encode
+from sentineld.contracts.capture import CaptureError, CaptureStep, open_capture, write_capture
+from sentineld.contracts.rng import capture_rng, restore_rng
+from sentineld.contracts.treecodec import TreeCodecError, decode, encode
 
 
 def _state() -> dict:

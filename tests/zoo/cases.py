@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sentineld.recipe import Recipe
+from sentineld.contracts.recipe import Recipe
 
 __all__ = ["Expect", "Case", "CASES", "ZOO", "BENCH_ONLY"]
 

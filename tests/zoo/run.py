@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from sentineld.agent import attach
-from sentineld.recipe import Recipe, train_step
+from sentineld.contracts.recipe import Recipe, train_step
 
 from .cases import CASES, Case
 

@@ -1,9 +1,9 @@
 # Two commands that work on a fresh machine (see README.md):
 #   make demo   set up .venv and run `sentineld demo` (FAULT=zero-std|lr|none)
-#   make test   set up .venv and the Debian test dependencies, then run the test suite
+#   make test   set up .venv and the Debian test dependencies, lint (ruff, mypy), then run the test suite
 FAULT ?= zero-std
 
-.PHONY: setup system-deps demo test bench
+.PHONY: setup system-deps demo lint test bench
 
 setup:
 	scripts/setup.sh
@@ -14,7 +14,11 @@ system-deps:
 demo: setup
 	.venv/bin/sentineld demo --fault $(FAULT)
 
-test: setup system-deps
+lint: setup
+	.venv/bin/ruff check
+	.venv/bin/mypy
+
+test: setup system-deps lint
 	.venv/bin/python -m pytest -q -p no:cacheprovider tests
 
 bench: setup

@@ -4,7 +4,8 @@ Importing it pulls in torch, h5py (lazily, when a capture is written) and promet
 never apprise or watchdog.
 """
 
-from .config import AgentConfig
-from .watch import Watch, attach
+from .agent_config import AgentConfig
+from .attach import attach
+from .watch import Watch
 
 __all__ = ["attach", "Watch", "AgentConfig"]

@@ -33,7 +33,8 @@ class _ExitPaths:
       then the previous hook (which prints the traceback as before).
     - SIGTERM (main thread, unless SIGTERM is ignored): a ``crash`` capture, then the previous
       handler is called, or (default action) the handler is reset and the signal re-sent, so the
-      process still dies by SIGTERM with the usual exit status.
+      process still dies by SIGTERM with the usual exit status. Further SIGTERMs during the
+      capture are held off until it is written.
     - ``atexit``: a watch left open is closed (pending captures are finished, not cut off).
 
     Each hook is installed once, chains what was there, and is removed when the last watch
@@ -46,6 +47,7 @@ class _ExitPaths:
         self.prev_term: Any = None
         self.term_installed = False
         self.atexit_registered = False
+        self.terminating = False
 
     def register(self, w: "Watch") -> None:
         self.watches.add(w)
@@ -70,7 +72,10 @@ class _ExitPaths:
             return
         if sys.excepthook == self._excepthook:
             sys.excepthook, self.prev_hook = self.prev_hook or sys.__excepthook__, None
-        if self.term_installed and threading.current_thread() is threading.main_thread():
+        # While the SIGTERM path runs, its handler stays: close() inside it unregisters the watch
+        # before the capture is on disk, and a default handler back in place would let the next
+        # SIGTERM kill the process mid-write.
+        if self.term_installed and not self.terminating and threading.current_thread() is threading.main_thread():
             try:
                 if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
                     signal.signal(signal.SIGTERM, self.prev_term if self.prev_term is not None
@@ -92,6 +97,14 @@ class _ExitPaths:
         (self.prev_hook or sys.__excepthook__)(etype, value, tb)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self.terminating:
+            # A second SIGTERM while the first one's capture is written (a scheduler and torchrun
+            # both signal the process group, 45-258 ms apart): dying now would cut the capture
+            # off. The first call finishes it (bounded by SIGTERM_CAPTURE_TIMEOUT_S) and then dies
+            # by the signal, so the process still ends the way it was told to.
+            log.warning("sentineld: SIGTERM again while writing the crash capture: finishing it first")
+            return
+        self.terminating = True
         prev = self.prev_term
         self._crash_all("terminated by SIGTERM (preemption or shutdown)", "terminated",
                         SIGTERM_CAPTURE_TIMEOUT_S)

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from sentineld.contracts import metric_names as M
 from sentineld.contracts.records import StepRecord
 
 __all__ = ["Latest", "start_exporter"]
@@ -58,26 +59,26 @@ class _Collector:
             c.add_metric(lab, value)
             return c
 
-        yield from gauge("sentineld_agent_enabled", "1 while the agent records", 1 if lt.enabled else 0)
-        yield counter("sentineld_train_steps_total", "Optimizer steps recorded", lt.steps_total)
-        yield counter("sentineld_nonfinite_steps_total", "Steps with nan/inf loss or grad norm",
+        yield from gauge(M.AGENT_ENABLED, "1 while the agent records", 1 if lt.enabled else 0)
+        yield counter(M.TRAIN_STEPS_TOTAL, "Optimizer steps recorded", lt.steps_total)
+        yield counter(M.NONFINITE_STEPS_TOTAL, "Steps with nan/inf loss or grad norm",
                       lt.nonfinite_total)
-        yield counter("sentineld_optimizer_skipped_steps_total", "Steps GradScaler skipped",
+        yield counter(M.OPTIMIZER_SKIPPED_TOTAL, "Steps GradScaler skipped",
                       lt.skipped_total)
-        yield counter("sentineld_captures_total", "Capture files written", lt.captures_total)
+        yield counter(M.CAPTURES_TOTAL, "Capture files written", lt.captures_total)
         if r is not None:
-            yield from gauge("sentineld_step", "Last optimizer step recorded", r.step)
-            yield from gauge("sentineld_train_loss", "Loss of the last step", r.loss)
-            yield from gauge("sentineld_grad_norm", "Global L2 gradient norm", r.grad_norm)
-            yield from gauge("sentineld_learning_rate", "Learning rate of group 0", r.lr)
-            yield from gauge("sentineld_step_duration_seconds", "Wall time of the last step", r.step_s)
-            yield from gauge("sentineld_last_step_timestamp_seconds", "Unix time of the last step",
+            yield from gauge(M.STEP, "Last optimizer step recorded", r.step)
+            yield from gauge(M.TRAIN_LOSS, "Loss of the last step", r.loss)
+            yield from gauge(M.GRAD_NORM, "Global L2 gradient norm", r.grad_norm)
+            yield from gauge(M.LEARNING_RATE, "Learning rate of group 0", r.lr)
+            yield from gauge(M.STEP_DURATION, "Wall time of the last step", r.step_s)
+            yield from gauge(M.LAST_STEP_TIMESTAMP, "Unix time of the last step",
                              r.time_s)
-            yield from gauge("sentineld_loss_scale", "GradScaler scale", r.loss_scale)
+            yield from gauge(M.LOSS_SCALE, "GradScaler scale", r.loss_scale)
         for metric, attr, doc in (
-            ("sentineld_layer_grad_norm", "grad_norm", "Per-module gradient L2 norm (sampled)"),
-            ("sentineld_layer_update_ratio", "update_ratio", "Per-module ||dw||/||w|| (sampled)"),
-            ("sentineld_layer_dead_ratio", "dead_fraction", "Per-module dead unit share (sampled)"),
+            (M.LAYER_GRAD_NORM, "grad_norm", "Per-module gradient L2 norm (sampled)"),
+            (M.LAYER_UPDATE_RATIO, "update_ratio", "Per-module ||dw||/||w|| (sampled)"),
+            (M.LAYER_DEAD_RATIO, "dead_fraction", "Per-module dead unit share (sampled)"),
         ):
             g = GaugeMetricFamily(metric, doc, labels=["run", "rank", "module"])
             for name, stats in lt.layers.items():

@@ -83,6 +83,7 @@ def _norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             groups.setdefault((t.device, t.dtype), []).append(i)
     for idx in groups.values():
         ts = [tensors[i] for i in idx]
+        ns: Any
         try:
             ns = torch._foreach_norm(ts, 2, dtype=torch.float32)
         except (RuntimeError, AttributeError, TypeError):
@@ -99,6 +100,8 @@ class ProbeHandle:
         every: sampling period in steps (declared at attach).
         enabled: False once :meth:`remove` ran or an internal error switched the probes off.
     """
+
+    _last_out: tuple[str, Any] | None
 
     def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
                  every: int) -> None:
@@ -264,6 +267,7 @@ class ProbeHandle:
             with torch.no_grad():
                 before = [self._before[id(p)] for p in params]
                 after = [p.detach() for p in params]
+                diffs: Any
                 try:
                     diffs = torch._foreach_sub(after, before)
                 except (RuntimeError, TypeError):      # mixed devices/dtypes: one by one
@@ -313,7 +317,7 @@ class ProbeHandle:
             mod_slots = []
             missing = [p for _, ps in self._param_mods for p in ps
                        if id(p) not in self._gnorm and p.grad is not None]
-            late = dict(zip((id(p) for p in missing), _norms([p.grad for p in missing])))
+            late = dict(zip((id(p) for p in missing), _norms([p.grad for p in missing])))  # type: ignore[misc]
             all_params = [p for _, ps in self._param_mods for p in ps]
             now_norms = iter(_norms([p.detach() for p in all_params]))   # one fused call
             for name, params in self._param_mods:

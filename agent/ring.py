@@ -114,8 +114,3 @@ class Ring:
                 return snap, [have[s] for s in wanted]
         return None
 
-    def latest(self) -> tuple[Snapshot, list[RingEntry]] | None:
-        """Span ending at the newest kept step (for crash captures)."""
-        if not self.entries:
-            return None
-        return self.span(self.entries[-1].step)

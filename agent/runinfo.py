@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from sentineld.contracts.rundir import valid_run_id
+from sentineld.contracts.rundir import stream_path, valid_run_id
 
 __all__ = ["dist_rank", "default_run_id", "unwrap", "torch_flags", "unused_run_id"]
 
@@ -46,9 +46,10 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         pass
     while True:
         if isinstance(model, wrappers):
-            model = model.module
-        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
-            model = model._orig_mod
+            model = model.module  # type: ignore[assignment]  # a wrapper holds a Module
+        elif (type(model).__name__ == "OptimizedModule"
+              and isinstance(getattr(model, "_orig_mod", None), torch.nn.Module)):
+            model = model._orig_mod  # type: ignore[assignment]
         else:
             return model
 
@@ -68,7 +69,7 @@ def unused_run_id(parent: Path, run_id: str, rank: int) -> str:
     captures (the daemon would see nothing new). All ranks of a relaunched job skip the same ids.
     """
     candidate, n = run_id, 1
-    while (parent / candidate / f"stream-rank{rank}.jsonl").exists():
+    while stream_path(parent / candidate, rank).exists():
         n += 1
         suffix = f".{n}"
         candidate = run_id[: 128 - len(suffix)] + suffix  # run ids are at most 128 characters

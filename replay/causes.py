@@ -125,7 +125,7 @@ def likely_cause(f: Facts) -> Cause:
                      "clip coefficient is 0 and inf * 0 = NaN)", "clipping only masks the upstream "
                      "problem: fix the Inf gradient's origin (evidence.inf_gradient_origin), or skip "
                      "steps whose grad norm is non-finite as GradScaler does", ROWS["explode"])
-    dtypes = {s.get("dtype") for s in f.inputs} | {f.output.get("dtype")}
+    dtypes: set[str] = {s.get("dtype") for s in f.inputs} | {f.output.get("dtype")}  # type: ignore[assignment,arg-type]
     if f.phase == "optimizer":
         if f.eps_lost:
             return Cause(f"the optimizer's eps is 0 in {'/'.join(sorted(dtypes & _LOW_PRECISION)) or 'this dtype'} "

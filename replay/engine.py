@@ -22,25 +22,23 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sentineld.contracts.capture import CaptureError, first_rank_capture, open_capture
+from sentineld.contracts.errors import BadInput
 from sentineld.contracts.recipe import Recipe
-from sentineld.contracts.rundir import RunDirError, RunMeta, list_captures, read_run_meta
+from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, read_run_meta
+from sentineld.contracts.triggers import NONFINITE
+from sentineld.contracts.verdict import Report
 
 from .localize import localize
 from .rebuild import RebuildError, Rebuilt, load_snapshot, rebuild, torch_globals
-from .report import Report
 from .trust import RecipeError, UntrustedError, load_recipe_factory
 
-__all__ = ["ReplayError", "NotReproducedError", "replay_run", "find_capture"]
+__all__ = ["ReplayError", "replay_run", "find_capture"]
 
 log = logging.getLogger("sentineld.replay")
 
 
-class ReplayError(Exception):
+class ReplayError(BadInput):
     """Bad input for a replay (no capture for the step, no recipe, a model that cannot be built)."""
-
-
-class NotReproducedError(Exception):
-    """Kept for callers that want to raise on a non-reproduced report (the CLI uses exit code 1)."""
 
 
 def find_capture(run_dir: Path, step: int | None, rank: int | None = None) -> Path:
@@ -60,7 +58,7 @@ def find_capture(run_dir: Path, step: int | None, rank: int | None = None) -> Pa
             raise ReplayError(f"{run_dir}: no capture of rank {rank}; ranks with captures: "
                               f"{sorted({c[0] for c in list_captures(run_dir)})}")
     if step is None:
-        incidents = [c for c in caps if c[2] == "nonfinite"] or caps
+        incidents = [c for c in caps if c[2] == NONFINITE] or caps
         first = [c for c in incidents if c[1] == incidents[0][1]]
         return first_rank_capture(first)
     spans = []
@@ -92,6 +90,8 @@ def _factory(meta: RunMeta, recipe_spec: str | None, trust: bool, named_by: list
 def _build(factory: Callable[..., Any], spec: str, args: dict[str, Any]) -> Recipe:
     try:
         recipe = factory(**args)
+    except UntrustedError:
+        raise  # a module the recipe imports is not safely ours: say so, not "the recipe raised"
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code, sys.exit() included
         raise ReplayError(f"recipe {spec} raised while building the model: "
                           f"{type(exc).__name__}: {exc}") from None
@@ -146,7 +146,7 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
                                f"replayable steps: {cap.snapshot_step}..{steps[-1]}")
         records = {int(r["step"]): r for r in cap.records() if isinstance(r, dict) and "step" in r}
         losses = {s: float(r["loss"]) for s, r in records.items() if isinstance(r.get("loss"), (int, float))}
-        named_by = [p for p in (run_dir / "run.json", cap_path) if p.exists()]
+        named_by = [p for p in (run_dir / RunDir.RUN_JSON, cap_path) if p.exists()]
         make = _factory(meta, spec, trust, named_by)
         rec = make()
         flags = meta.extra.get("torch_flags") if isinstance(meta.extra, dict) else None

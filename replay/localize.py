@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from sentineld.contracts.recipe import Recipe
+from sentineld.contracts.verdict import Report
 
 from .causes import Facts, likely_cause
 from .rebuild import run_step
-from .report import Report
 from .trace import Birth, Tracer, is_finite, nonfinite_flags, one_thread, tensor_stats
 
 __all__ = ["localize", "nonfinite_fields"]

@@ -21,8 +21,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from sentineld.contracts.errors import BadInput
 from sentineld.contracts.recipe import Recipe, train_step
 from sentineld.contracts.rng import restore_rng
+from sentineld.contracts.snapshot import MODEL, grads_of
 from sentineld.contracts.treecodec import map_tensors
 
 from .trace import is_finite, one_thread
@@ -31,7 +33,7 @@ __all__ = ["RebuildError", "Rebuilt", "load_snapshot", "run_step", "rebuild", "t
            "same_loss", "state_nonfinite"]
 
 
-class RebuildError(Exception):
+class RebuildError(BadInput):
     """The recipe's model or optimizer does not match the captured state."""
 
 
@@ -79,7 +81,7 @@ def load_snapshot(recipe: Recipe, snapshot: dict[str, Any]) -> list[str]:
     device = next((p.device for p in recipe.model.parameters()), torch.device("cpu"))
     snapshot = _to_device(snapshot, device)
     recast = []
-    model_sd = snapshot.get("model") or {}
+    model_sd = snapshot.get(MODEL) or {}
     own = dict(recipe.model.named_parameters()) | dict(recipe.model.named_buffers())
     for name, t in model_sd.items():
         cur = own.get(name)
@@ -93,7 +95,7 @@ def load_snapshot(recipe: Recipe, snapshot: dict[str, Any]) -> list[str]:
         raise RebuildError(f"the recipe's model/optimizer does not match the captured state: "
                            f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}") from None
     # Gradients carried into the step (a loop without zero_grad) are part of the state.
-    grads = snapshot.get("grads") or {}
+    grads = grads_of(snapshot)
     for name, p in recipe.model.named_parameters():
         g = grads.get(name)
         p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype)

@@ -337,7 +337,7 @@ class Tracer:
             if seq < seq0 or seq == _SEQ_NONE:
                 continue
             self._node_module.setdefault(id(node), (name, node))
-            todo.extend(child for child, _ in node.next_functions)
+            todo.extend(child for child, _ in node.next_functions if child is not None)
 
     # ------------------------------------------------------------------ births
     def record_birth(self, kind: str, op: str, in_stats: list[dict[str, Any]], out: torch.Tensor,

@@ -5,47 +5,29 @@ run's working directory, and the replay imports it: that executes the file. It i
 when ``run.json``, the capture, every file of the recipe module under the working directory (the
 package ``__init__.py`` files along its path and the module itself) and the folders holding them
 are owned by the current user (or root) and writable by no one else; ``trust=True`` overrides with a
-warning (for a colleague's run you have read).
+warning (for a colleague's run you have read). Every module imported later from the working
+directory (what the recipe pulls in, at once or lazily) passes the same check when it is imported
+(:class:`sentineld.contracts.trust.ImportGuard`).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import os
-import stat
 import sys
 from pathlib import Path
 from typing import Any, Callable
+
+from sentineld.contracts.errors import BadInput
+from sentineld.contracts.trust import UntrustedError, check_owned, install_import_guard
 
 __all__ = ["UntrustedError", "RecipeError", "check_owned", "load_recipe_factory"]
 
 log = logging.getLogger("sentineld.replay")
 
 
-class UntrustedError(Exception):
-    """A file that would be executed (or that names code) is owned or writable by another user."""
-
-
-class RecipeError(Exception):
+class RecipeError(BadInput):
     """The recipe cannot be imported or does not build a Recipe."""
-
-
-def check_owned(path: Path) -> None:
-    """Raise :class:`UntrustedError` unless ``path`` is owned by us (or root) and not group/other-writable.
-
-    A directory with the sticky bit (``/tmp``) may be writable by others: they cannot replace
-    what we own in it.
-    """
-    st = path.stat()
-    me = os.getuid()
-    if st.st_uid not in (me, 0):
-        raise UntrustedError(f"{path} is owned by uid {st.st_uid}, not by you (uid {me}); replay "
-                             "would execute code it names. Inspect it, then pass --trust")
-    sticky_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky_dir:
-        raise UntrustedError(f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
-                             f"another user could have changed it. Run `chmod go-w {path}` or pass --trust")
 
 
 def _module_files(cwd: Path, module: str) -> list[Path]:
@@ -89,11 +71,16 @@ def load_recipe_factory(recipe: str, cwd: str, *, trust: bool, named_by: list[Pa
     else:
         for f in files:
             check_owned(f)
+        # What the recipe imports from its folder is checked as it is imported, including modules
+        # planted there that would shadow an installed one (a world-writable working folder).
+        install_import_guard(cwd_path)
     if str(cwd_path) not in sys.path:
         sys.path.insert(0, str(cwd_path))
     try:
         module = importlib.import_module(mod_name)
         fn = getattr(module, fn_name)
+    except UntrustedError:
+        raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code can raise anything on import
         raise RecipeError(f"cannot import recipe {recipe!r} from {cwd}: {type(exc).__name__}: {exc}. "
                           "Run the replay where the training code is, or pass --recipe") from None

@@ -1,6 +1,6 @@
 """The ``sentineld`` command line (click).
 
-Exit codes (documented in README):
+Exit codes (documented in README; defined in sentineld.contracts.errors):
     0  success; for ``replay``, a reproduced step (localized, or every value finite)
     1  ``replay``: the step did not reproduce; ``demo``: no verdict arrived in time
     2  bad input: unknown run, missing or corrupt capture, missing step, bad config, untrusted
@@ -10,7 +10,6 @@ Exit codes (documented in README):
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -19,15 +18,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, NoReturn
 
 import click
 
-from .config import ConfigError, default_state_dir, load_config
+from sentineld.contracts.errors import EXIT_BAD_INPUT, EXIT_NOT_RUNNING, EXIT_OK
+from sentineld.daemon.daemon_config import ConfigError, default_state_dir, load_config
+from sentineld.replay.main import replay_options, run_replay
 
-__all__ = ["main", "cli", "replay_main"]
+__all__ = ["main", "cli"]
 
-EXIT_OK, EXIT_NOT_REPRODUCED, EXIT_BAD_INPUT, EXIT_NOT_RUNNING = 0, 1, 2, 3
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -35,7 +35,7 @@ def _setup_logging(verbose: bool) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
-def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
+def _fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     click.echo(f"sentineld: {message}", err=True)
     sys.exit(code)
 
@@ -54,7 +54,8 @@ def _daemon_options(fn: Any) -> Any:
         click.option("--runs-dir", type=click.Path(file_okay=False), default=None,
                      help="Parent of run directories (default $SENTINELD_RUNS_DIR or the user state dir)."),
         click.option("--state-dir", type=click.Path(file_okay=False), default=None,
-                     help="Outbox, replays, pidfile and log (default $SENTINELD_STATE_DIR or ~/.local/state/sentineld)."),
+                     help="Outbox, replays, pidfile and log "
+                          "(default $SENTINELD_STATE_DIR or ~/.local/state/sentineld)."),
         click.option("--notify", multiple=True, help="apprise URL to notify (repeatable)."),
         click.option("--alertmanager-url", default=None, help="Forward alerts to this Alertmanager (v2 API)."),
         click.option("--metrics-port", type=int, default=None, help="Daemon metrics port (9490; 0 = off)."),
@@ -84,8 +85,9 @@ def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, 
           verbose: bool) -> None:
     """Start the daemon (in the background unless --foreground)."""
     cfg = _load(config_path, runs_dir, state_dir, notify, alertmanager_url, metrics_port, no_replay)
-    from .daemon import AlreadyRunning, Daemon, daemon_pid  # noqa: PLC0415
-    from .delivery import valid_url  # noqa: PLC0415
+    from sentineld.daemon.delivery import valid_url  # noqa: PLC0415
+    from sentineld.daemon.service import Daemon  # noqa: PLC0415
+    from sentineld.daemon.statedir import AlreadyRunning, daemon_pid  # noqa: PLC0415
 
     bad = [i for i, u in enumerate(cfg.notify) if not valid_url(u)]
     if bad:
@@ -141,7 +143,7 @@ def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, 
               help="Seconds to wait after SIGTERM before SIGKILL.")
 def stop(state_dir: str | None, grace_period: float) -> None:
     """Stop the daemon (SIGTERM, then SIGKILL after the grace period)."""
-    from .daemon import daemon_pid  # noqa: PLC0415
+    from sentineld.daemon.statedir import daemon_pid  # noqa: PLC0415
 
     sd = Path(state_dir) if state_dir else load_config().state_dir
     pid = daemon_pid(sd)
@@ -163,7 +165,7 @@ def stop(state_dir: str | None, grace_period: float) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 def status(state_dir: str | None, as_json: bool) -> None:
     """Show whether the daemon runs, what it watches, alerts sent and replays run."""
-    from .daemon import daemon_pid, read_status  # noqa: PLC0415
+    from sentineld.daemon.statedir import daemon_pid, read_status  # noqa: PLC0415
 
     sd = Path(state_dir) if state_dir else _safe_state_dir()
     pid = daemon_pid(sd) if sd.exists() else None
@@ -203,11 +205,11 @@ def _safe_state_dir() -> Path:
 @click.option("--json", "as_json", is_flag=True)
 def runs(runs_dir: str | None, as_json: bool) -> None:
     """List run directories with their last step, captures and state (read from disk)."""
-    from .rundir import RunDirError, list_captures, read_run_meta  # noqa: PLC0415
-    from .runwatch import RunWatch  # noqa: PLC0415
+    from sentineld.contracts.rundir import RunDirError, list_captures, read_run_meta  # noqa: PLC0415
+    from sentineld.daemon.runwatch import RunWatch  # noqa: PLC0415
 
     rd = Path(runs_dir) if runs_dir else load_config().runs_dir
-    rows = []
+    rows: list[dict[str, Any]] = []
     for d in sorted(p for p in rd.iterdir() if p.is_dir()) if rd.is_dir() else []:
         rw = RunWatch(d)
         rw.poll()
@@ -247,8 +249,8 @@ def recover(run: str, runs_dir: str | None) -> None:
     leaves ``ring-rank<R>-<pid>/`` behind; the daemon recovers it on its own, this does it
     without a daemon. Rings of live processes are left alone.
     """
-    from .diskring import recover_run  # noqa: PLC0415
-    from .rundir import RunDirError  # noqa: PLC0415
+    from sentineld.contracts.rundir import RunDirError  # noqa: PLC0415
+    from sentineld.daemon.ring_recovery import recover_run  # noqa: PLC0415
 
     try:
         run_dir = _run_dir(run, runs_dir)
@@ -269,7 +271,7 @@ def _run_dir(run: str, runs_dir: str | None) -> Path:
     Raises:
         RunDirError: neither exists.
     """
-    from .rundir import resolve_run  # noqa: PLC0415
+    from sentineld.contracts.rundir import resolve_run  # noqa: PLC0415
 
     if runs_dir is None:
         try:
@@ -281,72 +283,16 @@ def _run_dir(run: str, runs_dir: str | None) -> Path:
 
 # --------------------------------------------------------------------- replay
 @cli.command()
-@click.argument("run")
-@click.option("--step", type=int, default=None, help="Step to explain (default: the first non-finite one).")
-@click.option("--json", "as_json", is_flag=True, help="Print the verdict as JSON on stdout.")
-@click.option("--recipe", default=None, help="module:function building the Recipe (overrides run.json).")
-@click.option("--capture", type=click.Path(dir_okay=False), default=None, help="Use this capture file.")
-@click.option("--trust", is_flag=True, help="Import the recipe even if another user could have written it.")
-@click.option("--rank", type=int, default=None,
-              help="Replay this rank's capture (default: the rank whose own loss went non-finite first).")
-@click.option("--runs-dir", type=click.Path(file_okay=False), default=None)
+@replay_options
 def replay(run: str, step: int | None, as_json: bool, recipe: str | None, capture: str | None,
            trust: bool, rank: int | None, runs_dir: str | None) -> None:
     """Rebuild RUN (an id or a directory) before the offending step and name where it broke."""
-    _replay(run, step, as_json, recipe, capture, trust, runs_dir, rank)
-
-
-def _replay(run: str, step: int | None, as_json: bool, recipe: str | None, capture: str | None,
-            trust: bool, runs_dir: str | None, rank: int | None = None) -> None:
-    logging.basicConfig(level=logging.WARNING, format="sentineld: %(message)s", stream=sys.stderr)
-    from .capture import CaptureError  # noqa: PLC0415
-    from .rundir import RunDirError  # noqa: PLC0415
-
-    try:
-        run_dir = _run_dir(run, runs_dir)
-        if capture is not None:
-            from .capture import open_capture  # noqa: PLC0415
-
-            with open_capture(capture):  # a damaged capture fails here, before torch is imported
-                pass
-        from sentineld.replay import render_text, replay_run  # noqa: PLC0415
-
-        with _stdout_to_stderr():  # the user's code may print: stdout carries only the verdict
-            report = replay_run(run_dir, step, recipe=recipe, trust=trust, capture=capture, rank=rank)
-    except (RunDirError, CaptureError) as exc:
-        _fail(str(exc))
-    except Exception as exc:  # noqa: BLE001
-        # Matched by name: the replay package (and torch) is imported only after the cheap checks.
-        if type(exc).__name__ in ("ReplayError", "RecipeError", "UntrustedError"):
-            _fail(str(exc))
-        raise
-    if as_json:
-        click.echo(report.to_json())
-    else:
-        click.echo(render_text(report))
-    sys.exit(EXIT_OK if report.reproduced else EXIT_NOT_REPRODUCED)
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """Send everything written to stdout (Python and file descriptor 1) to stderr meanwhile."""
-    sys.stdout.flush()
-    saved_fd = os.dup(1)
-    saved = sys.stdout
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved_fd, 1)
-        os.close(saved_fd)
-        sys.stdout = saved
-
-
-def replay_main() -> None:
-    """Entry point of ``python -m sentineld.replay``."""
-    replay.main(prog_name="python -m sentineld.replay")
+    if runs_dir is None:  # a run id is looked up where the daemon's config puts runs
+        try:
+            runs_dir = str(load_config().runs_dir)
+        except ConfigError:
+            runs_dir = None
+    sys.exit(run_replay(run, step, as_json, recipe, capture, trust, runs_dir, rank))
 
 
 # ----------------------------------------------------------------------- demo
@@ -361,14 +307,16 @@ def replay_main() -> None:
               help="Seconds to wait for the alert and the replay verdict.")
 def demo(fault: str, runs_dir: str | None, notify: tuple[str, ...], epochs: int, timeout_s: float) -> None:
     """Train on scikit-learn's handwritten digits with a planted fault, watched by the daemon."""
-    from .demo import run_demo  # noqa: PLC0415
+    from sentineld.demo import run_demo  # noqa: PLC0415
 
     sys.exit(run_demo(fault, runs_dir, notify, epochs, timeout_s))
 
 
 from .report.command import report  # noqa: E402 - issue 12
+
 cli.add_command(report)
 from .regress.command import regress  # noqa: E402 - issue 12
+
 cli.add_command(regress)
 
 

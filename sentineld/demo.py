@@ -47,8 +47,8 @@ def wait_for_notifications(log_path: Path, run_id: str, kinds: set[str], timeout
 
 def _existing_daemon(runs_dir: Path) -> Path | None:
     """State dir of a running daemon that watches ``runs_dir``, if any."""
-    from .config import ConfigError, load_config  # noqa: PLC0415
-    from .daemon import daemon_pid, read_status  # noqa: PLC0415
+    from sentineld.daemon.daemon_config import ConfigError, load_config  # noqa: PLC0415
+    from sentineld.daemon.statedir import daemon_pid, read_status  # noqa: PLC0415
 
     try:
         sd = load_config().state_dir
@@ -71,8 +71,7 @@ def run_demo(fault: str, runs_dir: str | None, notify: tuple[str, ...], epochs: 
     from rich.progress import Progress  # noqa: PLC0415
 
     from sentineld.agent import attach  # noqa: PLC0415
-
-    from .demo_model import load_digits_tensors, loss_fn, make_recipe  # noqa: PLC0415
+    from sentineld.demo_model import load_digits_tensors, loss_fn, make_recipe  # noqa: PLC0415
 
     con = Console()
     rd = Path(runs_dir) if runs_dir else Path(tempfile.mkdtemp(prefix="sentineld-demo-runs-"))

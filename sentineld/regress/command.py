@@ -16,22 +16,17 @@ __all__ = ["regress"]
 @click.option("--runs-dir", type=click.Path(file_okay=False), default=None)
 def regress(run: str, step: int | None, out_dir: str, rank: int | None, runs_dir: str | None) -> None:
     """Write a pytest regression test (and its HDF5 fixture) that RUN's offending step stays finite."""
-    from sentineld.contracts.capture import CaptureError  # noqa: PLC0415
     from sentineld.cli import _fail, _run_dir  # noqa: PLC0415
-    from sentineld.contracts.rundir import RunDirError  # noqa: PLC0415
+    from sentineld.contracts.errors import SentineldError  # noqa: PLC0415
 
     from .write import write_regression  # noqa: PLC0415
 
     try:
         reg = write_regression(_run_dir(run, runs_dir), out_dir, step, rank)
-    except (RunDirError, CaptureError, ValueError) as exc:
-        _fail(str(exc))
+    except (SentineldError, ValueError) as exc:  # bad run, capture or step; a run without recipe
+        _fail(str(exc), getattr(exc, "exit_code", 2))
     except OSError as exc:
         _fail(f"cannot write the regression test: {exc}")
-    except Exception as exc:  # noqa: BLE001
-        if type(exc).__name__ == "ReplayError":
-            _fail(str(exc))
-        raise
     click.echo(f"{reg.test}\n{reg.fixture}\n"
                f"steps {reg.snapshot_step}..{reg.step} from {reg.capture.name}; run it from the project's "
                f"working directory: pytest {reg.test}")

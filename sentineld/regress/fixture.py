@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from sentineld.contracts.capture import CaptureError, open_capture, write_capture
+from sentineld.contracts.triggers import REGRESS
 
 __all__ = ["write_fixture"]
 
@@ -36,7 +37,7 @@ def write_fixture(capture: Path, out: Path, step: int | None = None) -> dict[str
                                f"from a snapshot at step {s}; pass --step in that range")
         steps = [cap.step(k) for k in range(s, n + 1)]
         records = [r for r in cap.records() if isinstance(r, dict) and s <= r.get("step", -1) <= n]
-        write_capture(out, run_id=cap.run_id, rank=cap.rank, trigger="regress", first_step=n,
+        write_capture(out, run_id=cap.run_id, rank=cap.rank, trigger=REGRESS, first_step=n,
                       snapshot_step=s, snapshot=cap.snapshot(), steps=steps, records=records,
                       message=f"regression fixture of step {n} from {capture.name}")
         return {"step": n, "snapshot_step": s, "rank": cap.rank, "run_id": cap.run_id,

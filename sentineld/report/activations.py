@@ -26,13 +26,16 @@ __all__ = ["capture_activations"]
 
 
 def _recipe(meta: RunMeta, cap_path: Path, run_dir: Path, trust: bool) -> Recipe:
+    from sentineld.contracts.trust import check_import_path  # noqa: PLC0415
     from sentineld.replay.trust import load_recipe_factory  # noqa: PLC0415
 
+    if not trust:  # the replay's checks: the import path first, then the recipe's own files
+        check_import_path()
     fn = load_recipe_factory(meta.recipe, meta.cwd, trust=trust,
                              named_by=[p for p in (run_dir / "run.json", cap_path) if p.exists()])
     rec = fn(**meta.recipe_args)
     if not isinstance(rec, Recipe):
-        raise TypeError(f"recipe {meta.recipe} returned {type(rec).__name__}, not sentineld.contracts.recipe.Recipe")
+        raise TypeError(f"recipe {meta.recipe} returned {type(rec).__name__}, not sentineld.recipe.Recipe")
     return rec
 
 

@@ -19,8 +19,11 @@ def default_report_path(run_dir: str | os.PathLike[str]) -> Path:
 
 
 def _replay_verdict(run_dir: Path, trust: bool) -> dict[str, Any]:
+    from sentineld.contracts.trust import check_import_path  # noqa: PLC0415
     from sentineld.replay import replay_run  # noqa: PLC0415 - torch and the user's code
 
+    if not trust:  # as `sentineld replay`: a module planted on the import path would run first
+        check_import_path()
     return json.loads(replay_run(run_dir, trust=trust).to_json())
 
 

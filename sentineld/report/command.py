@@ -28,9 +28,9 @@ def report(run: str, output: str | None, state_dir: str | None, verdict_path: st
            no_activations: bool, trust: bool, rank: int, runs_dir: str | None) -> None:
     """Write one self-contained HTML report of RUN (an id or a directory)."""
     logging.basicConfig(level=logging.WARNING, format="sentineld: %(message)s", stream=sys.stderr)
-    from sentineld.contracts.capture import CaptureError  # noqa: PLC0415
-    from sentineld.cli import _fail, _run_dir, _safe_state_dir, _stdout_to_stderr  # noqa: PLC0415
-    from sentineld.contracts.rundir import RunDirError  # noqa: PLC0415
+    from sentineld.cli import _fail, _run_dir, _safe_state_dir  # noqa: PLC0415
+    from sentineld.contracts.errors import SentineldError  # noqa: PLC0415
+    from sentineld.replay.main import stdout_to_stderr  # noqa: PLC0415
 
     from .build import write_report  # noqa: PLC0415
 
@@ -39,11 +39,11 @@ def report(run: str, output: str | None, state_dir: str | None, verdict_path: st
     try:
         run_dir = _run_dir(run, runs_dir)
         sd = Path(state_dir) if state_dir else _safe_state_dir()
-        with _stdout_to_stderr():  # the user's code may print: stdout carries only the path
+        with stdout_to_stderr():  # the user's code may print: stdout carries only the path
             path = write_report(run_dir, output, state_dir=sd, verdict_path=verdict_path, replay=do_replay,
                                 trust=trust, rank=rank, activations=not no_activations)
-    except (RunDirError, CaptureError, ValueError) as exc:
-        _fail(str(exc))
+    except (SentineldError, ValueError) as exc:  # bad run, capture, verdict file, recipe, trust
+        _fail(str(exc), getattr(exc, "exit_code", 2))
     except ImportError as exc:
         if getattr(exc, "name", None) != "matplotlib":
             raise
@@ -51,8 +51,4 @@ def report(run: str, output: str | None, state_dir: str | None, verdict_path: st
               "pip install 'sentineld[report]'")
     except OSError as exc:
         _fail(f"cannot write the report: {exc}")
-    except Exception as exc:  # noqa: BLE001
-        if type(exc).__name__ in ("ReplayError", "RecipeError", "UntrustedError"):
-            _fail(str(exc))
-        raise
     click.echo(str(path))

@@ -13,8 +13,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from sentineld.daemon.outbox import Notification
 from sentineld.contracts.records import StepRecord
+from sentineld.daemon.outbox import Notification
 
 __all__ = ["Curves", "LayerGrid", "Marker", "Hist", "ReportData", "curves", "layer_grid",
            "dead_or_saturated_grid", "alert_markers", "alert_rows", "capture_markers", "thin_indices", "hist",
@@ -154,7 +154,7 @@ def layer_grid(records: Sequence[StepRecord], stat: str, limit: int = MAX_COLUMN
     sampled = [r for r in records if r.layers]
     modules: list[str] = []
     for r in sampled:
-        for name, st in r.layers.items():
+        for name, st in (r.layers or {}).items():
             if getattr(st, stat) is not None and name not in modules:
                 modules.append(name)
     steps = np.array([r.step for r in sampled], dtype=np.int64)
@@ -162,8 +162,8 @@ def layer_grid(records: Sequence[StepRecord], stat: str, limit: int = MAX_COLUMN
     missing = np.ones_like(vals, dtype=bool)
     for j, r in enumerate(sampled):
         for i, m in enumerate(modules):
-            st = r.layers.get(m)
-            v = None if st is None else getattr(st, stat)
+            cell = (r.layers or {}).get(m)
+            v = None if cell is None else getattr(cell, stat)
             if v is not None:
                 vals[i, j], missing[i, j] = _num(v), False
     bad = ~np.isfinite(vals) & ~missing

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import math
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import matplotlib
 
@@ -25,8 +25,9 @@ from .data import Curves, Hist, LayerGrid, Marker  # noqa: E402
 
 __all__ = ["curves_svg", "heatmap_svg", "hists_svg", "timeline_svg", "replay_losses_svg"]
 
-_STYLE = {"capture": dict(color="#d62728", ls="-", lw=1.2), "alert": dict(color="#ff7f0e", ls="--", lw=1.0),
-          "verdict": dict(color="#9467bd", ls=":", lw=1.4)}
+_STYLE: dict[str, dict[str, Any]] = {"capture": dict(color="#d62728", ls="-", lw=1.2),
+                                     "alert": dict(color="#ff7f0e", ls="--", lw=1.0),
+                                     "verdict": dict(color="#9467bd", ls=":", lw=1.4)}
 
 
 def _svg(fig: plt.Figure, name: str) -> str:
@@ -117,7 +118,7 @@ def heatmap_svg(g: LayerGrid, title: str, log: bool, markers: Sequence[Marker] =
     for m in markers:
         j = np.searchsorted(g.steps, m.step)
         if j < len(g.steps) and g.steps[j] == m.step and m.kind == "capture":
-            ax.axvline(j, **_STYLE["capture"])
+            ax.axvline(float(j), **_STYLE["capture"])
     ax.set_xlabel("step (sampled)")
     fig.colorbar(im, ax=ax, label=("log10 " if log else "") + title, fraction=0.03)
     ax.set_title(title + " per module")
@@ -146,7 +147,8 @@ def hists_svg(hs: Sequence[Hist], title: str, name: str) -> str:
     return _svg(fig, name)
 
 
-def timeline_svg(rows: Sequence[dict], markers: Sequence[Marker], span: tuple[int, int] | None = None) -> str:
+def timeline_svg(rows: Sequence[Mapping[str, Any]], markers: Sequence[Marker],
+                 span: tuple[int, int] | None = None) -> str:
     """Alerts and verdicts over steps, one row per signature, coloured by severity; ``span`` is
     the run's first and last step (the x range, so the timeline lines up with the curves)."""
     sigs = list(dict.fromkeys(r["signature"] or r["kind"] for r in rows if isinstance(r["step"], int)))

@@ -89,7 +89,7 @@ def _tensors(r: ReportData, plots: list[str]) -> str:
     out = ["<h2>Weights and activations at the capture</h2>"]
     if r.weights:
         plots.append("weights")
-        s = r.capture["snapshot_step"]
+        s = (r.capture or {}).get("snapshot_step")
         out.append(_figure("weights", f.hists_svg(r.weights, f"weights at snapshot step {s}", "weights"),
                            f"model tensors of the capture's snapshot (the state before step {s}); "
                            "red panels hold NaN/Inf"))
@@ -115,7 +115,8 @@ def _alerts(r: ReportData, plots: list[str]) -> str:
         st = r.curves.steps
         span = (int(st.min()), int(st.max())) if len(st) else None
         out.append(_figure("timeline", f.timeline_svg(rows, r.markers, span), "from the daemon's outbox"))
-    head = "<tr><th>time (UTC)</th><th>kind</th><th>severity</th><th>signature</th><th>step</th><th>title</th><th>delivered</th></tr>"
+    head = ("<tr><th>time (UTC)</th><th>kind</th><th>severity</th><th>signature</th><th>step</th>"
+            "<th>title</th><th>delivered</th></tr>")
     body = "".join(
         "<tr>" + "".join(f"<td>{escape(str(v))}</td>" for v in (
             dt.datetime.fromtimestamp(x["created_s"], dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),

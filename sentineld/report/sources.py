@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from sentineld.contracts.capture import CaptureError, open_capture
-from sentineld.daemon.outbox import Notification, Outbox
 from sentineld.contracts.records import StepRecord, record_from_json
 from sentineld.contracts.rundir import list_captures, read_run_meta, stream_path
 from sentineld.contracts.stream import StreamTail
+from sentineld.daemon import outbox
+from sentineld.daemon.outbox import Notification
 
 from . import data as d
 
@@ -53,14 +54,10 @@ def read_records(run_dir: Path, rank: int) -> tuple[list[StepRecord], int]:
 
 def read_notifications(state_dir: Path | None, run_id: str) -> list[Notification]:
     """The daemon's notifications about ``run_id`` (pending and delivered); [] without a state dir."""
-    if state_dir is None or not (state_dir / "outbox").is_dir():
+    if state_dir is None:
         return []
-    box = state_dir / "outbox"
-    paths = sorted(box.glob("*.json")) + sorted((box / "delivered").glob("*.json"))
-    # Outbox._read, not Outbox(): constructing an Outbox removes "*.json.tmp" files, which would
-    # break a save the running daemon has in flight. Reading is all a report may do.
-    notes = [n for n in (Outbox._read(p) for p in paths) if n is not None]  # noqa: SLF001
-    return [n for n in notes if n.run == run_id]
+    # Read-only: an Outbox() would remove a "*.json.tmp" the running daemon is about to rename.
+    return [n for n in outbox.read_notifications(state_dir / "outbox") if n.run == run_id]
 
 
 def _verdict_of(obj: Any) -> dict[str, Any] | None:

@@ -78,11 +78,6 @@ class Verdict:
     fix: str = ""
     module: str | None = None
 
-    @property
-    def key(self) -> tuple[str, str | None]:
-        """``(signature, module)``: what identifies "the same condition" across calls."""
-        return (self.signature, self.module)
-
 
 def make_verdict(signature: str, step: int, message: str, numbers: Mapping[str, Any], fix: str,
                  module: str | None = None) -> Verdict:

@@ -14,8 +14,7 @@ from typing import Mapping, Sequence
 
 from sentineld.contracts.records import LayerStats, StepRecord
 
-from .base import (Verdict, finite, layer_value, make_verdict, median, sampled_layers, step_of,
-                   tail, trailing)
+from .base import Verdict, finite, layer_value, make_verdict, median, sampled_layers, step_of, tail, trailing
 
 __all__ = ["ExplodingConfig", "VanishingConfig", "MissingGradientsConfig", "ZeroGradConfig",
            "detect_exploding_gradients", "detect_vanishing_gradients",
@@ -194,7 +193,7 @@ def _applied_norms(records: Sequence[StepRecord]) -> list[tuple[int, float]]:
 
 def _param_modules(layers: Mapping[str, LayerStats]) -> list[tuple[str, LayerStats]]:
     """Modules with trainable parameters (param_norm reported), in mapping order."""
-    out = []
+    out: list[tuple[str, LayerStats]] = []
     try:
         items = list(layers.items())
     except Exception:  # noqa: BLE001
@@ -206,8 +205,8 @@ def _param_modules(layers: Mapping[str, LayerStats]) -> list[tuple[str, LayerSta
 
 
 def _first_last(layers: Mapping[str, LayerStats]) -> tuple[str, float, str, float] | None:
-    mods = [(n, layer_value(st, "grad_norm")) for n, st in _param_modules(layers)]
-    mods = [(n, g) for n, g in mods if g is not None]
+    pairs = [(n, layer_value(st, "grad_norm")) for n, st in _param_modules(layers)]
+    mods = [(n, g) for n, g in pairs if g is not None]
     if len(mods) < 2:
         return None
     (fn, fg), (ln, lg) = mods[0], mods[-1]

@@ -18,8 +18,7 @@ from typing import Sequence
 
 from sentineld.contracts.records import StepRecord
 
-from .base import (Verdict, chunk_medians, finite, finite_losses, make_verdict, median,
-                   robust_sigma, step_of, tail)
+from .base import Verdict, chunk_medians, finite, finite_losses, make_verdict, median, robust_sigma, step_of, tail
 
 __all__ = ["DivergenceSpikeConfig", "DivergenceGrowthConfig", "PlateauConfig",
            "OscillationConfig", "InitialLossConfig", "detect_divergence_spike",

@@ -8,13 +8,13 @@ gradients overflow whatever the scale, and that is ``loss_scale_collapse``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
+from sentineld.contracts.nonfinite import INPUT_REASON, is_nonfinite, nonfinite_reasons
 from sentineld.contracts.records import StepRecord
 
-from .base import Verdict, as_float, finite, make_verdict, step_of, trailing
+from .base import Verdict, finite, make_verdict, step_of, trailing
 
 __all__ = ["NonfiniteConfig", "LossScaleConfig", "detect_nonfinite", "detect_loss_scale_collapse",
            "NONFINITE_FIX", "DATA_NONFINITE_FIX", "LOSS_SCALE_FIX"]
@@ -80,57 +80,9 @@ class LossScaleConfig:
                              "must be >= 1")
 
 
-def _nonfinite(x: Any) -> bool:
-    try:
-        return x is not None and not isinstance(x, bool) and not math.isfinite(x)
-    except (TypeError, ValueError, OverflowError):
-        return False
-
-
-def _is_bad(r: StepRecord) -> bool:
-    """Fast check: does this record hold any non-finite value that counts?"""
-    if _nonfinite(getattr(r, "loss", None)):
-        return True
-    if _nonfinite(getattr(r, "grad_norm", None)) and not getattr(r, "optimizer_skipped", False):
-        return True
-    if getattr(r, "param_nonfinite", None) is True or getattr(r, "input_nonfinite", None) is True:
-        return True
-    layers = getattr(r, "layers", None)
-    if layers:
-        try:
-            return any(_nonfinite(getattr(st, "param_norm", None)) for st in layers.values())
-        except Exception:  # noqa: BLE001 - a malformed layers mapping is ignored, never raised
-            return False
-    return False
-
-
-def _reasons(r: StepRecord) -> list[str]:
-    reasons = []
-    loss = as_float(getattr(r, "loss", None))
-    if loss is not None and finite(loss) is None:
-        reasons.append(f"loss={loss}")
-    gn = as_float(getattr(r, "grad_norm", None))
-    if gn is not None and finite(gn) is None and not getattr(r, "optimizer_skipped", False):
-        reasons.append(f"grad_norm={gn}")
-    if getattr(r, "param_nonfinite", None) is True:
-        reasons.append("parameters")
-    if getattr(r, "input_nonfinite", None) is True:
-        reasons.append("input batch")
-    layers = getattr(r, "layers", None)
-    if layers and hasattr(layers, "items"):
-        try:
-            bad = [name for name, st in layers.items()
-                   if as_float(getattr(st, "param_norm", None)) is not None
-                   and finite(getattr(st, "param_norm", None)) is None]
-        except Exception:  # noqa: BLE001 - a malformed layers mapping is ignored, never raised
-            bad = []
-        if bad:
-            reasons.append("parameters of " + ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else ""))
-    return reasons
-
-
 def detect_nonfinite(records: Sequence[StepRecord], config: NonfiniteConfig) -> list[Verdict]:
-    """Report the first step in the window with a nan/inf loss, gradient, parameter or input.
+    """Report the first step in the window with a nan/inf loss, gradient, learning rate, parameter
+    or input (the rule of :mod:`sentineld.contracts.nonfinite`, shared with the agent).
 
     Args:
         records: step records, oldest first.
@@ -142,32 +94,24 @@ def detect_nonfinite(records: Sequence[StepRecord], config: NonfiniteConfig) -> 
     if not config.enabled:
         return []
     first = None
-    first_reasons: list[str] = []
     count = 0
-    isfinite = math.isfinite
     for r in records:
-        try:  # fast path for the common clean record; anything odd takes the careful path
-            if (isfinite(r.loss) and (r.grad_norm is None or isfinite(r.grad_norm))
-                    and r.param_nonfinite is not True and r.input_nonfinite is not True
-                    and not r.layers):
-                continue
-        except Exception:  # noqa: BLE001
-            pass
-        if _is_bad(r):
+        if is_nonfinite(r):
             count += 1
             if first is None:
                 first = r
     if first is None:
         return []
-    first_reasons = _reasons(first) or ["value"]
-    data = any(x == "input batch" for x in first_reasons)
+    first_reasons = nonfinite_reasons(first) or ["value"]
+    data = INPUT_REASON in first_reasons
     step = step_of(first)
     msg = (f"non-finite {', '.join(first_reasons)} at step {step} "
            f"({count} of the last {len(records)} steps non-finite)")
-    return [make_verdict("nonfinite", step, msg,
-                         {"loss": getattr(first, "loss", None),
-                          "grad_norm": getattr(first, "grad_norm", None),
-                          "nonfinite_steps": count},
+    numbers = {"loss": getattr(first, "loss", None), "grad_norm": getattr(first, "grad_norm", None),
+               "nonfinite_steps": count}
+    if any(x.startswith("learning rate") for x in first_reasons):
+        numbers["lr"] = getattr(first, "lr", None)
+    return [make_verdict("nonfinite", step, msg, numbers,
                          DATA_NONFINITE_FIX if data else NONFINITE_FIX)]
 
 

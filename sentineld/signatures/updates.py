@@ -13,8 +13,7 @@ from typing import Sequence
 
 from sentineld.contracts.records import StepRecord
 
-from .base import (Verdict, finite, layer_value, make_verdict, median, sampled_layers, step_of,
-                   trailing)
+from .base import Verdict, finite, layer_value, make_verdict, median, sampled_layers, step_of, trailing
 
 __all__ = ["NotAppliedConfig", "UpdateRatioConfig", "detect_gradients_not_applied",
            "detect_update_ratio"]

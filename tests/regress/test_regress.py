@@ -41,6 +41,9 @@ def test_regression_test_fails_on_the_bug_and_passes_once_fixed(project_run: dic
     test = out_dir / f"test_sentineld_stuck_sensor_step{planted.NAN_STEP}.py"
     fixture = out_dir / f"sentineld_stuck_sensor_step{planted.NAN_STEP}.h5"
     assert r.stdout.splitlines()[:2] == [str(test), str(fixture)]
+    # The test users keep imports one stable name, not the replay's internals (which move).
+    imports = [ln for ln in test.read_text().splitlines() if ln.startswith(("import ", "from "))]
+    assert imports == ["import json", "from pathlib import Path", "from sentineld.regress import assert_steps_finite"]
 
     # The fixture: a trimmed capture, snapshot 5 and steps 5..7 only.
     with open_capture(fixture) as cap:
@@ -86,7 +89,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sentineld.contracts.recipe import Recipe
+from sentineld.recipe import Recipe
 
 EPS = 1e-8  # rounds to 0 in float16: 0/0 for embedding rows no batch has touched yet
 

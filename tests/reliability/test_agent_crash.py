@@ -65,6 +65,28 @@ def test_sigterm_writes_crash_capture_and_keeps_the_signals_effect(zygote, tmp_p
     assert _end_reason(runs / "term-ignored") == "finished"
 
 
+def test_a_second_sigterm_during_the_crash_capture_does_not_lose_it(zygote, tmp_path):
+    """d9bb298: a scheduler and torchrun both signal the group; a second SIGTERM 45-258 ms after
+    the first killed 6/6 runs mid-capture (no capture, partial .h5.tmp files left)."""
+    runs = tmp_path / "runs"
+    pids = {}
+    for gap_s in (0.05, 0.2):
+        rid = f"twice-{int(gap_s * 1000)}"
+        pids[rid] = (gap_s, zygote.train(run_id=rid, runs_dir=str(runs), steps=100_000, hidden=1536,
+                                         marker=str(tmp_path / rid), marker_step=12,
+                                         log=str(tmp_path / f"{rid}.log"), agent={"snapshot_every": 5, "flush_s": 0.05}))
+    for rid, (gap_s, pid) in pids.items():
+        wait_until(lambda: (tmp_path / rid).exists(), 120, f"{rid} at step 12")
+        os.kill(pid, signal.SIGTERM)
+        time.sleep(gap_s)
+        os.kill(pid, signal.SIGTERM)
+        assert zygote.reap(pid) == -signal.SIGTERM, rid  # still dies as signalled
+        caps = _captures(runs / rid, "crash")
+        assert len(caps) == 1, (sorted(p.name for p in (runs / rid).iterdir()), (tmp_path / f"{rid}.log").read_text())
+        assert "SIGTERM" in check_capture(caps[0])["message"]
+        assert list((runs / rid).glob("*.tmp")) == [], rid
+
+
 def test_uncaught_exception_without_with_and_exit_without_close(tmp_path):
     runs = tmp_path / "runs"
     crash = run_once(dict(run_id="exc", runs_dir=str(runs), steps=40, raise_at=30,

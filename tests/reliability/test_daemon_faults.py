@@ -195,7 +195,7 @@ def _replay_children(daemon) -> list[int]:
             continue
         try:
             cmd = (p / "cmdline").read_bytes().split(b"\0")
-            if b"replay" in cmd and b"--capture" in cmd and str(daemon.runs_dir).encode() in b" ".join(cmd):
+            if b"sentineld.replay" in cmd and b"--capture" in cmd and str(daemon.runs_dir).encode() in b" ".join(cmd):
                 out.append(int(p.name))
         except OSError:
             continue

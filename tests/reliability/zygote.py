@@ -117,7 +117,7 @@ if __name__ == "__main__":
         # exists yet, so forking stays safe): the optimizer pulls in torch._dynamo (seconds).
         import h5py  # noqa: F401
 
-        import sentineld.daemon.ring_recovery  # noqa: F401
+        import sentineld.agent.diskring  # noqa: F401
         import sentineld.contracts.rng  # noqa: F401
 
         make_model(8)

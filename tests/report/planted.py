@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sentineld.contracts.recipe import Recipe
+from sentineld.recipe import Recipe
 
 
 class SampleNorm(nn.Module):
@@ -71,7 +71,7 @@ def batch(step):
 TRAIN = '''import json, sys
 import torch
 from sentineld.agent import attach
-from sentineld.contracts.recipe import train_step
+from sentineld.recipe import train_step
 import MODNAME as project
 
 torch.set_num_threads(1)

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sentineld.daemon.messages import verdict_text
-from sentineld.daemon.outbox import Notification, Outbox
 from sentineld.contracts.records import LayerStats, StepRecord
+from sentineld.contracts.verdict import notification_text
+from sentineld.daemon.outbox import Notification, Outbox
 from sentineld.report import default_report_path, write_report
 from sentineld.report import data as d
 from sentineld.report.sources import read_notifications, read_verdict
@@ -75,6 +75,8 @@ def test_notifications_of_other_runs_are_left_out_and_the_outbox_is_not_touched(
     assert sorted(n.id for n in notes) == ["a", "c"]
     assert inflight.exists()
     assert [m.step for m in d.alert_markers(notes)] == [3, 3]
+    # A state dir the daemon has not made an outbox in yet is read as empty and left as it is.
+    assert read_notifications(tmp_path / "fresh", "mine") == [] and not (tmp_path / "fresh").exists()
 
 
 def test_verdict_file_forms(tmp_path: Path) -> None:
@@ -89,7 +91,7 @@ def test_verdict_file_forms(tmp_path: Path) -> None:
 
 def test_verdict_message_names_the_report_path_and_command() -> None:
     cap = "/runs/r1/capture-rank0-step000000007-nonfinite.h5"
-    _title, body = verdict_text({"run_id": "r1", "step": 7, "phase": "forward", "capture": cap})
+    _title, body = notification_text({"run_id": "r1", "step": 7, "phase": "forward", "capture": cap})
     assert f"sentineld report /runs/r1` (to {default_report_path('/runs/r1')})" in body
     assert "sentineld regress /runs/r1" in body
 

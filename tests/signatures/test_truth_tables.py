@@ -432,7 +432,7 @@ def test_evaluate_empty_and_healthy_window() -> None:
 def test_verdict_shape() -> None:
     (v,) = detect_nonfinite(recs([1.0, NAN]), CFG.nonfinite)
     assert SIGNATURES[v.signature] == v.severity
-    assert v.key == ("nonfinite", None)
+    assert (v.signature, v.module) == ("nonfinite", None)
     assert math.isnan(v.numbers["loss"]) and isinstance(v.fix, str) and v.fix
     hash(v)  # frozen and hashable, numbers excluded from the hash
     with pytest.raises(AttributeError):

@@ -1,0 +1,78 @@
+"""The capture writer: a capture (snapshot S, steps S..N, their records) is written to HDF5 on
+its own thread, so the training thread only hands over references to host copies it already
+made. A failure (disk full, ...) is logged and put in the stream; training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sentineld.contracts.capture import CaptureStep, write_capture
+from sentineld.contracts.rundir import RunDir
+from sentineld.contracts.stream import StreamWriter
+from sentineld.contracts.triggers import CRASH
+
+from .exporter import Latest
+from .ring import RingEntry, Snapshot
+
+__all__ = ["CaptureWriter"]
+
+log = logging.getLogger("sentineld.agent")
+
+
+class CaptureWriter:
+    """Writes this rank's captures in background threads.
+
+    Attributes:
+        captures: paths written so far.
+        crash_captured: a ``crash`` capture was written.
+    """
+
+    def __init__(self, run_dir: Path, run_id: str, rank: int, device: torch.device,
+                 stream: StreamWriter, latest: Latest) -> None:
+        self.run_dir, self.run_id, self.rank, self.device = run_dir, run_id, rank, device
+        self.stream, self.latest = stream, latest
+        self.captures: list[Path] = []
+        self.crash_captured = False
+        self._threads: list[threading.Thread] = []
+
+    def start(self, trigger: str, step: int, snap: Snapshot, entries: list[RingEntry],
+              grads: Any, message: str) -> None:
+        """Start writing ``capture-rank<R>-step<step>-<trigger>.h5`` from ``snap`` and ``entries``."""
+        path = RunDir(self.run_dir).capture(self.rank, step, trigger)
+        args = (path, trigger, step, snap, entries, grads, message)
+        t = threading.Thread(target=self._write, args=args, name="sentineld-capture", daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def join(self, deadline: float) -> None:
+        """Wait for the captures being written, until ``deadline`` (``time.monotonic``)."""
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def _write(self, path: Path, trigger: str, step: int, snap: Snapshot,
+               entries: list[RingEntry], grads: Any, message: str) -> None:
+        try:
+            snap.wait()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()  # blocks this thread only: batch copies must have landed
+            write_capture(
+                path, run_id=self.run_id, rank=self.rank, trigger=trigger, first_step=step,
+                snapshot_step=snap.step, snapshot=snap.state,
+                steps=[CaptureStep(e.step, e.batch, e.rng) for e in entries],
+                records=[e.record for e in entries if e.record is not None], grads=grads,
+                message=message)
+        except Exception as exc:  # noqa: BLE001 - disk full etc.: training goes on
+            log.warning("sentineld: capture %s not written: %s (training continues)", path.name, exc)
+            self.stream.put({"kind": "agent_warning", "step": step,
+                             "message": f"capture not written: {exc}"}, urgent=True)
+            return
+        self.captures.append(path)
+        self.crash_captured |= trigger == CRASH
+        self.latest.captures_total += 1

@@ -1,0 +1,65 @@
+"""When the agent snapshots: every ``snapshot_every`` steps, chosen in auto mode so snapshots
+cost ``snapshot_budget`` of step time, and bounded so the ring always holds a whole span
+(snapshot .. offending step + ``post_steps``). No snapshot is taken while an incident is open:
+the one before it must stay in the ring.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from .agent_config import AgentConfig
+
+__all__ = ["SnapshotSchedule"]
+
+
+class SnapshotSchedule:
+    """The snapshot cadence and whether one is due.
+
+    Attributes:
+        every: current cadence in steps.
+        due: a snapshot should be taken at the next step start.
+    """
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.every = config.snapshot_every or config.min_snapshot_every
+        self.due = True
+        self._auto = config.snapshot_every == 0
+        self._since = 0
+        self._cost_s = 0.0
+        self._step_times: deque[float] = deque(maxlen=20)
+
+    def taken(self, cost_s: float) -> None:
+        """A snapshot was taken; it cost ``cost_s`` seconds of the training thread."""
+        self._cost_s = max(self._cost_s * 0.5, cost_s)
+        self.due = False
+        self._since = 0
+
+    def step_time(self, step_s: float) -> None:
+        """A step took ``step_s`` seconds (the median of the last 20 sets the auto cadence)."""
+        self._step_times.append(step_s)
+
+    def step_done(self, latched: bool) -> None:
+        """A step was recorded (after :meth:`tune`); ``latched``: an incident is open."""
+        self._since += 1
+        if not latched and self._since >= self.every:
+            self.due = True
+
+    def tune(self, last_step_nbytes: int) -> None:
+        """Re-derive the cadence (cheap; the agent calls it every 16 steps).
+
+        Args:
+            last_step_nbytes: host bytes of the newest ring entry (0 when none).
+        """
+        cfg, k = self.config, self.every
+        if self._auto and len(self._step_times) >= 5:
+            step_s = sorted(self._step_times)[len(self._step_times) // 2]
+            if step_s > 0:
+                k = math.ceil(self._cost_s / (cfg.snapshot_budget * step_s))
+                k = max(cfg.min_snapshot_every, min(k, cfg.window // 2))
+        if last_step_nbytes > 0:
+            fits = cfg.ring_bytes // last_step_nbytes
+            k = max(1, min(k, (fits - cfg.post_steps) // 2))
+        self.every = k

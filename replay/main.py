@@ -1,0 +1,112 @@
+"""The replay's command line: ``python -m sentineld.replay RUN [--step N] [--json] ...`` (the
+daemon spawns this with the run's own interpreter and working directory) and the body of
+``sentineld replay``. Imports no CLI or daemon code, and no torch until the capture opened: a
+damaged capture is reported in a fraction of a second.
+
+Exit codes (:mod:`sentineld.contracts.errors`): 0 a reproduced step, 1 not reproduced, 2 bad
+input (any :class:`~sentineld.contracts.errors.BadInput`: unknown run, damaged capture, missing
+step, untrusted or unbuildable recipe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from typing import Any, Callable, Iterator
+
+import click
+
+from sentineld.contracts.errors import EXIT_NOT_REPRODUCED, EXIT_OK, SentineldError
+from sentineld.contracts.rundir import default_runs_dir, resolve_run
+from sentineld.contracts.trust import check_import_path
+
+__all__ = ["replay_options", "run_replay", "stdout_to_stderr", "command", "main"]
+
+
+def replay_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The replay's click argument and options (shared by ``sentineld replay``)."""
+    opts = [
+        click.argument("run"),
+        click.option("--step", type=int, default=None,
+                     help="Step to explain (default: the first non-finite one)."),
+        click.option("--json", "as_json", is_flag=True, help="Print the verdict as JSON on stdout."),
+        click.option("--recipe", default=None,
+                     help="module:function building the Recipe (overrides run.json)."),
+        click.option("--capture", type=click.Path(dir_okay=False), default=None,
+                     help="Use this capture file."),
+        click.option("--trust", is_flag=True,
+                     help="Import the recipe even if another user could have written it."),
+        click.option("--rank", type=int, default=None,
+                     help="Replay this rank's capture (default: the rank whose own loss went "
+                          "non-finite first)."),
+        click.option("--runs-dir", type=click.Path(file_okay=False), default=None),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def run_replay(run: str, step: int | None, as_json: bool, recipe: str | None, capture: str | None,
+               trust: bool, runs_dir: str | None, rank: int | None = None) -> int:
+    """Replay RUN (an id under ``runs_dir`` or a directory), print the verdict, return the exit code.
+
+    Args:
+        runs_dir: parent of run directories for a run id; None: ``$SENTINELD_RUNS_DIR`` or the
+            user state dir (:func:`sentineld.contracts.rundir.default_runs_dir`).
+
+    Returns:
+        0 when the step reproduced, 1 when it did not; a bad input prints ``sentineld: <why>`` to
+        stderr and returns its error's exit code (2).
+    """
+    logging.basicConfig(level=logging.WARNING, format="sentineld: %(message)s", stream=sys.stderr)
+    try:
+        if not trust:  # a module another user could add to this path would run before any recipe check
+            check_import_path()
+        run_dir = resolve_run(run, runs_dir if runs_dir is not None else default_runs_dir())
+        if capture is not None:
+            from sentineld.contracts.capture import open_capture  # noqa: PLC0415
+
+            with open_capture(capture):  # a damaged capture fails here, before torch is imported
+                pass
+        from sentineld.contracts.verdict import render_text  # noqa: PLC0415
+        from sentineld.replay.engine import replay_run  # noqa: PLC0415
+
+        with stdout_to_stderr():  # the user's code may print: stdout carries only the verdict
+            report = replay_run(run_dir, step, recipe=recipe, trust=trust, capture=capture, rank=rank)
+    except SentineldError as exc:
+        click.echo(f"sentineld: {exc}", err=True)
+        return exc.exit_code
+    click.echo(report.to_json() if as_json else render_text(report))
+    return EXIT_OK if report.reproduced else EXIT_NOT_REPRODUCED
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send everything written to stdout (Python and file descriptor 1) to stderr meanwhile."""
+    sys.stdout.flush()
+    saved_fd = os.dup(1)
+    saved = sys.stdout
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
+        sys.stdout = saved
+
+
+@click.command(name="replay")
+@replay_options
+def command(run: str, step: int | None, as_json: bool, recipe: str | None, capture: str | None,
+            trust: bool, rank: int | None, runs_dir: str | None) -> None:
+    """Rebuild RUN (an id or a directory) before the offending step and name where it broke."""
+    sys.exit(run_replay(run, step, as_json, recipe, capture, trust, runs_dir, rank))
+
+
+def main() -> None:
+    """Entry point of ``python -m sentineld.replay``."""
+    command.main(prog_name="python -m sentineld.replay")

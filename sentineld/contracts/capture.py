@@ -1,0 +1,361 @@
+"""The capture file: everything needed to rebuild and re-run the steps around an incident (HDF5).
+
+Layout (schema version 1)::
+
+    /                      attrs: schema_version, run_id, rank, trigger, first_step (N),
+                           snapshot_step (S), created_s, message, torch_version
+    /snapshot/tree         JSON string: {"model", "optimizer", "scheduler", "scaler"} state dicts,
+                           tensors replaced by {"t": i}
+    /snapshot/<i>          tensor i (attr torch_dtype)
+    /steps/<step>/batch_tree, /steps/<step>/batch/<i>     the batch of that step
+    /steps/<step>/rng_meta, /steps/<step>/rng/<name>      RNG states at that step's first forward
+    /records               JSON string: list of StepRecord dicts for S..N (and any after N)
+    /grads/names, /grads/<i>   gradients at N as the agent saw them before the optimizer step
+                           (optional; names is a JSON list, i its index)
+
+Snapshot S is the state *before* step S ran, so re-executing steps S..N-1 gives the state before N.
+Nothing is pickled: trees are JSON and tensors are datasets. A capture is written to
+``<name>.h5.tmp``, fsynced and renamed, so a capture on disk is whole or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from sentineld.contracts.errors import BadInput
+from sentineld.contracts.h5write import tree_bytes, write_h5_atomic
+from sentineld.contracts.treecodec import decode, encode
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "CaptureError",
+    "CaptureStep",
+    "write_capture",
+    "Capture",
+    "open_capture",
+    "write_step",
+    "write_snapshot",
+]
+
+SCHEMA_VERSION = 1
+
+
+class CaptureError(BadInput):
+    """A capture cannot be read: truncated, not HDF5, unknown schema, or missing a step.
+
+    The message says what is wrong and what to do; the CLI maps it to exit code 2.
+    """
+
+
+@dataclass(frozen=True)
+class CaptureStep:
+    """One recorded step: its index, batch (tree of CPU tensors) and RNG state (see sentineld.contracts.rng)."""
+
+    step: int
+    batch: Any
+    rng: Mapping[str, Any] | None
+
+
+def _torch():
+    import torch  # noqa: PLC0415 - the daemon lists captures without importing torch
+
+    return torch
+
+
+_NUMPY_UNSUPPORTED = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+
+
+def tensor_to_numpy(t: Any) -> tuple[np.ndarray, str]:
+    torch = _torch()
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_sparse:  # sparse gradients (SparseAdam): evidence, stored dense
+        t = t.to_dense()
+    dtype = str(t.dtype).removeprefix("torch.")
+    if dtype in _NUMPY_UNSUPPORTED:
+        t = t.view(getattr(torch, _NUMPY_UNSUPPORTED[dtype]))
+    return t.contiguous().numpy(), dtype
+
+
+def _numpy_to_tensor(arr: np.ndarray, dtype: str) -> Any:
+    torch = _torch()
+    a = np.asarray(arr)
+    if not a.flags.writeable:  # h5py returns fresh writable arrays: copy only when it did not
+        a = a.copy()
+    t = torch.from_numpy(a)
+    if dtype in _NUMPY_UNSUPPORTED:
+        t = t.view(getattr(torch, dtype))
+    return t
+
+
+def _write_tree(group: Any, tree: Any) -> None:
+    tensors: list[Any] = []
+    group.create_dataset("tree", data=json.dumps(encode(tree, tensors)))
+    for i, t in enumerate(tensors):
+        arr, dtype = tensor_to_numpy(t)
+        ds = group.create_dataset(str(i), data=arr)
+        ds.attrs["torch_dtype"] = dtype
+
+
+def write_step(group: Any, st: CaptureStep) -> None:
+    """Write one step's batch and RNG state into an HDF5 group (layout of ``/steps/<step>``)."""
+    _write_tree(group.create_group("batch"), st.batch)
+    if st.rng is not None:
+        from sentineld.contracts.rng import rng_to_json  # noqa: PLC0415
+
+        meta, arrays = rng_to_json(dict(st.rng))
+        group.create_dataset("rng_meta", data=json.dumps(meta))
+        rg = group.create_group("rng")
+        for name, arr in arrays.items():
+            rg.create_dataset(name, data=arr)
+
+
+def write_snapshot(group: Any, snapshot: Mapping[str, Any]) -> None:
+    """Write a state snapshot into an HDF5 group (layout of ``/snapshot``)."""
+    _write_tree(group, dict(snapshot))
+
+
+def _read_tree(group: Any) -> Any:
+    tree = json.loads(_read_str(group["tree"]))
+
+    def tensor(i: int) -> Any:
+        ds = group[str(i)]
+        return _numpy_to_tensor(ds[()], str(ds.attrs["torch_dtype"]))
+
+    return decode(tree, tensor)
+
+
+def _read_str(ds: Any) -> str:
+    val = ds[()]
+    return val.decode() if isinstance(val, bytes) else str(val)
+
+
+def write_capture(
+    path: str | os.PathLike[str],
+    *,
+    run_id: str,
+    rank: int,
+    trigger: str,
+    first_step: int,
+    snapshot_step: int,
+    snapshot: Mapping[str, Any],
+    steps: Sequence[CaptureStep],
+    records: Iterable[Mapping[str, Any]],
+    grads: Mapping[str, Any] | None = None,
+    message: str = "",
+) -> Path:
+    """Write a capture atomically (temp name, fsync, rename) and return its final path.
+
+    Args:
+        snapshot: ``{"model": state_dict, "optimizer": state_dict, "scheduler": ..., "scaler": ...}``
+            holding CPU tensors; the state before ``snapshot_step`` ran.
+        steps: the steps ``snapshot_step..first_step`` (at least), with batches and RNG states.
+        records: per-step scalar records (JSON-ready dicts).
+        grads: parameter name -> gradient tensor at ``first_step`` (optional evidence).
+
+    Raises:
+        OSError: the file cannot be written (permissions; a full disk gives ``errno.ENOSPC`` and a
+            message saying so); the temp file is removed.
+        TreeCodecError: a state dict holds an object that has no JSON form.
+    """
+    path = Path(path)
+    records = list(records)
+
+    def fill(f: Any) -> None:
+        f.attrs.update(
+            schema_version=SCHEMA_VERSION, run_id=run_id, rank=rank, trigger=trigger,
+            first_step=first_step, snapshot_step=snapshot_step, created_s=time.time(),
+            message=message, torch_version=str(_torch().__version__),
+        )
+        write_snapshot(f.create_group("snapshot"), snapshot)
+        sg = f.create_group("steps")
+        for st in steps:
+            write_step(sg.create_group(str(st.step)), st)
+        f.create_dataset("records", data=json.dumps(records))
+        if grads:
+            # By index with a JSON list of names: a parameter name may hold "/" (nn.ModuleDict
+            # keys), which HDF5 would read as a group path.
+            gg = f.create_group("grads")
+            gg.create_dataset("names", data=json.dumps(list(grads)))
+            for i, t in enumerate(grads.values()):
+                arr, dtype = tensor_to_numpy(t)
+                gg.create_dataset(str(i), data=arr).attrs["torch_dtype"] = dtype
+
+    estimate = tree_bytes(dict(snapshot)) + sum(tree_bytes(st.batch) for st in steps) + tree_bytes(grads or {})
+    write_h5_atomic(path, fill, estimate, durable=True, what="capture")
+    return path
+
+
+class Capture:
+    """An open capture (read-only). Use :func:`open_capture`; close with ``with`` or :meth:`close`.
+
+    Attributes:
+        path, run_id, rank, trigger, first_step (N), snapshot_step (S), message, schema_version.
+    """
+
+    def __init__(self, path: Path, h5: Any) -> None:
+        self.path = path
+        self._f = h5
+        try:
+            a = h5.attrs
+            self.schema_version = int(a["schema_version"])
+            self.run_id = str(a["run_id"])
+            self.rank = int(a["rank"])
+            self.trigger = str(a["trigger"])
+            self.first_step = int(a["first_step"])
+            self.snapshot_step = int(a["snapshot_step"])
+            self.message = str(a.get("message", ""))
+            self.created_s = float(a.get("created_s", 0.0))
+        except KeyError as exc:
+            raise CaptureError(f"{path}: not a sentineld capture (missing attribute {exc}); "
+                               "pass a capture-*.h5 written by sentineld.agent") from None
+        except Exception as exc:  # noqa: BLE001 - h5py/numpy on a damaged file raise many types
+            raise CaptureError(f"{path}: not a readable sentineld capture ({type(exc).__name__}: "
+                               f"{exc}); the file is damaged, use another capture of this run") from None
+
+    def __enter__(self) -> "Capture":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the HDF5 file."""
+        self._f.close()
+
+    @property
+    def steps(self) -> list[int]:
+        """Recorded step indices, ascending.
+
+        Raises:
+            CaptureError: the steps group is damaged.
+        """
+        return self._guard(lambda: sorted(int(k) for k in self._f["steps"].keys()), "steps")
+
+    def snapshot(self) -> dict[str, Any]:
+        """The state dicts before ``snapshot_step`` (CPU tensors)."""
+        return self._guard(lambda: _read_tree(self._f["snapshot"]), "snapshot")
+
+    def step(self, step: int) -> CaptureStep:
+        """Batch and RNG state of ``step``.
+
+        Raises:
+            CaptureError: the step is not in this capture (the message lists the steps that are).
+        """
+        if not self._guard(lambda: str(step) in self._f["steps"], "steps"):
+            have = self.steps
+            span = f"{have[0]}..{have[-1]}" if have else "none"
+            raise CaptureError(f"step {step} is not in capture {self.path.name}; it holds steps {span}")
+
+        def load() -> CaptureStep:
+            g = self._f["steps"][str(step)]
+            batch = _read_tree(g["batch"])
+            rng = None
+            if "rng_meta" in g:
+                from sentineld.contracts.rng import rng_from_json  # noqa: PLC0415
+
+                meta = json.loads(_read_str(g["rng_meta"]))
+                rng = rng_from_json(meta, {k: v[()] for k, v in g["rng"].items()})
+            return CaptureStep(step=step, batch=batch, rng=rng)
+
+        return self._guard(load, f"step {step}")
+
+    def records(self) -> list[dict[str, Any]]:
+        """Per-step scalar records stored with the capture."""
+        return self._guard(lambda: json.loads(_read_str(self._f["records"])), "records")
+
+    def grads(self) -> dict[str, Any]:
+        """Gradients at ``first_step`` as recorded, by parameter name ({} if not stored)."""
+        if not self._guard(lambda: "grads" in self._f, "grads"):
+            return {}
+        def load() -> dict[str, Any]:
+            g = self._f["grads"]
+            names = json.loads(_read_str(g["names"]))
+            return {str(n): _numpy_to_tensor(g[str(i)][()], str(g[str(i)].attrs["torch_dtype"]))
+                    for i, n in enumerate(names)}
+
+        return self._guard(load, "grads")
+
+    def _guard(self, fn: Any, what: str) -> Any:
+        try:
+            return fn()
+        except CaptureError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - h5py/numpy on a damaged file raise many types
+            raise CaptureError(f"{self.path}: {what} is unreadable ({type(exc).__name__}: {exc}); "
+                               "the capture is damaged, use another capture of this run") from None
+
+
+def open_capture(path: str | os.PathLike[str]) -> Capture:
+    """Open a capture for reading and check its schema version.
+
+    Raises:
+        CaptureError: missing, not HDF5, truncated, or written by an unknown schema version.
+    """
+    import h5py  # noqa: PLC0415
+
+    path = Path(path)
+    try:
+        is_file = path.is_file()
+    except OSError as exc:
+        raise CaptureError(f"{path}: cannot be read ({exc})") from None
+    if not is_file:
+        raise CaptureError(f"{path}: no such capture file")
+    try:
+        f = h5py.File(path, "r")
+    except Exception as exc:  # noqa: BLE001 - OSError mostly; h5py raises others on odd files
+        raise CaptureError(f"{path}: cannot open as HDF5 ({exc}); the file is truncated or not a "
+                           "capture. Captures are written atomically, so a damaged one was altered "
+                           "after writing: use another capture of this run") from None
+    try:
+        cap = Capture(path, f)
+        if cap.schema_version != SCHEMA_VERSION:
+            raise CaptureError(f"{path}: capture schema version {cap.schema_version} is not "
+                               f"supported (this sentineld reads version {SCHEMA_VERSION}); "
+                               "replay it with the sentineld version that wrote it")
+        try:
+            has_groups = "steps" in f and "snapshot" in f
+        except Exception as exc:  # noqa: BLE001
+            raise CaptureError(f"{path}: capture is damaged ({type(exc).__name__}: {exc})") from None
+        if not has_groups:
+            raise CaptureError(f"{path}: capture lacks its snapshot or steps group; it is damaged")
+    except BaseException:
+        try:
+            f.close()
+        except Exception:  # noqa: BLE001
+            pass
+        raise
+    return cap
+
+
+def first_rank_capture(same_step: Sequence[tuple[int, int, str, Path]]) -> Path:
+    """Among captures ``(rank, step, trigger, path)`` of one incident step, the rank that made it.
+
+    In data-parallel training every rank's gradient is non-finite after the all-reduce, but only
+    the rank whose own forward went non-finite has a non-finite loss at that step; fall back to
+    the lowest rank.
+
+    Raises:
+        ValueError: ``same_step`` is empty.
+    """
+    if not same_step:
+        raise ValueError("no capture to choose from")
+    for _rank, step, _trigger, path in sorted(same_step):
+        try:
+            with open_capture(path) as cap:
+                rec = next((r for r in cap.records() if r.get("step") == step), None)
+        except CaptureError:
+            continue
+        loss = rec.get("loss") if isinstance(rec, dict) else None
+        if isinstance(loss, (int, float)) and not math.isfinite(loss):
+            return path
+    return sorted(same_step)[0][3]

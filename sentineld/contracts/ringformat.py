@@ -1,0 +1,179 @@
+"""The on-disk ring's format (written by ``sentineld.agent.diskring``, read by
+``sentineld.daemon.ring_recovery``): the agent's ring buffer persisted as it is taken, so a run killed without
+warning (SIGKILL, the OOM killer) still leaves what a crash capture needs.
+
+Layout, one directory per training process (``<run_dir>/ring-rank<R>-<pid>/``)::
+
+    lock                  flock'ed by the writing process for its whole life (the kernel drops
+                          it when the process dies, however it dies)
+    meta.json             run_id, rank, pid, host, torch_version, window
+    snap-<S>.ring         snapshot S (the state before step S)
+    step-<n>.ring         step n: batch, RNG state, and its record when known
+
+A ``.ring`` file is ``MAGIC``, an 8-byte little-endian header length, a JSON header (the trees
+as a capture stores them, and per tensor its torch dtype, numpy dtype, shape, offset and size),
+then the raw tensor bytes. Not HDF5: this is the per-step hot path, and raw ``write()`` calls
+copy nothing (they write from the tensors' own memory), release the GIL while the kernel copies,
+and fail cleanly on a full disk. Each file is written to ``*.tmp`` and renamed, so it is whole or
+absent: page-cache writes survive the death of the process (not of the machine; nothing is
+fsynced, which keeps the per-step cost low). Bounded on disk like the RAM ring: the two newest
+snapshots, and at most ``window`` steps, none older than the older snapshot.
+
+A clean ``close`` deletes the directory. One left behind whose ``lock`` is free belongs to a dead
+process: :func:`recover_ring` (run by the daemon on the training host, or ``sentineld recover``)
+turns it into ``capture-rank<R>-step<N>-crash.h5`` (snapshot S, steps S..N, records from the step
+files and the stream; the capture layout of :mod:`sentineld.contracts.capture`) and deletes it. Recovery
+needs h5py and numpy, not torch.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import mmap
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sentineld.contracts.capture import tensor_to_numpy
+from sentineld.contracts.treecodec import encode
+
+__all__ = ["SNAP_FILE", "STEP_FILE", "MAGIC", "Packer", "write_ring_file",
+           "read_ring_file", "close_mapping", "ring_array", "put_tree", "ring_state", "snap_file",
+           "step_file"]
+
+SNAP_FILE = re.compile(r"^snap-(\d+)\.ring$")
+STEP_FILE = re.compile(r"^step-(\d+)\.ring$")
+MAGIC = b"SNTLRING1\n"
+
+
+def snap_file(step: int) -> str:
+    """Name of snapshot ``step``'s file inside a ring directory."""
+    return f"snap-{step:09d}.ring"
+
+
+def step_file(step: int) -> str:
+    """Name of step ``step``'s file inside a ring directory."""
+    return f"step-{step:09d}.ring"
+
+
+class Packer:
+    """Collects arrays for one ``.ring`` file and describes them for its header."""
+
+    def __init__(self) -> None:
+        self.arrays: list[np.ndarray] = []
+        self.size = 0
+
+    def add(self, arr: np.ndarray) -> list[Any]:
+        arr = np.ascontiguousarray(arr)
+        desc = [arr.dtype.str, list(arr.shape), self.size, int(arr.nbytes)]
+        self.arrays.append(arr)
+        self.size += int(arr.nbytes)
+        return desc
+
+    def tree(self, tree: Any) -> dict[str, Any]:
+        tensors: list[Any] = []
+        enc = encode(tree, tensors)
+        out = []
+        for t in tensors:
+            arr, dtype = tensor_to_numpy(t)
+            out.append([dtype, *self.add(arr)])
+        return {"tree": enc, "tensors": out}
+
+
+def write_ring_file(path: Path, header: dict[str, Any], packer: Packer) -> None:
+    """Write a ``.ring`` file whole or not at all (tmp + rename, 0600, no fsync)."""
+    head = json.dumps(header, allow_nan=True).encode()
+    need = packer.size + len(head) + (1 << 20)
+    free = shutil.disk_usage(path.parent).free
+    if free < need:
+        raise OSError(errno.ENOSPC, f"no space left on device in {path.parent} ({free} bytes free, "
+                                    f"about {need} needed for {path.name})")
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        try:
+            bufs: list[Any] = [MAGIC + len(head).to_bytes(8, "little") + head,
+                               *(memoryview(a).cast("B") for a in packer.arrays if a.nbytes)]  # type: ignore[arg-type]
+            for buf in bufs:
+                view = memoryview(buf)
+                while view:
+                    view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_ring_file(path: Path) -> tuple[dict[str, Any], memoryview, Any]:
+    """``(header, body, mapping)`` of a ``.ring`` file (close ``mapping`` when done)."""
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        if mm[:len(MAGIC)] != MAGIC:
+            raise ValueError(f"{path.name}: not an on-disk ring file")
+        hlen = int.from_bytes(mm[len(MAGIC):len(MAGIC) + 8], "little")
+        start = len(MAGIC) + 8
+        header = json.loads(mm[start:start + hlen])
+        if not isinstance(header, dict):
+            raise ValueError(f"{path.name}: bad header")
+        return header, memoryview(mm)[start + hlen:], mm
+    except BaseException:
+        mm.close()
+        raise
+
+
+def close_mapping(mm: Any) -> None:
+    """Close a mapping from :func:`read_ring_file` (left to the GC while a view is alive)."""
+    try:
+        mm.close()
+    except BufferError:  # a view is still alive somewhere: the mapping goes with it
+        pass
+
+
+def ring_array(body: memoryview, desc: list[Any]) -> np.ndarray:
+    """The array ``desc`` (numpy dtype, shape, offset, size) describes in a ring file's body.
+
+    Raises:
+        ValueError: the description points outside the body.
+    """
+    np_dtype, shape, off, n = desc
+    if off < 0 or n < 0 or off + n > len(body):
+        raise ValueError("tensor outside the file")
+    return np.frombuffer(body[off:off + n], dtype=np.dtype(np_dtype)).reshape(shape)
+
+
+def put_tree(group: Any, packed: dict[str, Any], body: memoryview) -> None:
+    """Write a packed tree into an HDF5 group in the capture layout (``tree`` + datasets)."""
+    group.create_dataset("tree", data=json.dumps(packed["tree"]))
+    for i, (torch_dtype, *desc) in enumerate(packed["tensors"]):
+        group.create_dataset(str(i), data=ring_array(body, desc)).attrs["torch_dtype"] = str(torch_dtype)
+
+
+
+
+def ring_state(ring_dir: Path) -> str:
+    """``alive`` (its writer holds the lock), ``dead`` (lock free: the writer is gone) or
+    ``unknown`` (no lock file: not a ring, or one still being created)."""
+    try:
+        fd = os.open(ring_dir / "lock", os.O_RDWR)
+    except OSError:
+        return "unknown"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return "alive"
+        return "unknown"
+    finally:
+        os.close(fd)
+    return "dead"
+
+

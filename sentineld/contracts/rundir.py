@@ -1,0 +1,288 @@
+"""The run directory: the contract between the agent, the daemon and the replay.
+
+``<runs_dir>/<run_id>/`` holds
+
+- ``run.json``: run metadata (:class:`RunMeta`), written once by each rank (same content but pid).
+- ``stream-rank<R>.jsonl``: one JSON object per line (see :mod:`sentineld.contracts.stream`).
+- ``capture-rank<R>-step<N>-<trigger>.h5``: captures (see :mod:`sentineld.contracts.capture`).
+
+Directories are created 0700 and files 0600: a run directory holds batches of training data and
+names code that replay will import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sentineld.contracts.errors import BadInput
+
+__all__ = [
+    "RUN_SCHEMA_VERSION",
+    "RunDirError",
+    "RunMeta",
+    "make_private_dir",
+    "write_run_meta",
+    "read_run_meta",
+    "resolve_run",
+    "RunDir",
+    "stream_path",
+    "capture_name",
+    "list_captures",
+    "parse_capture_name",
+    "valid_run_id",
+]
+
+RUN_SCHEMA_VERSION = 1
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class RunDirError(BadInput):
+    """A run directory or its ``run.json`` is missing or malformed (the message says which and why)."""
+
+
+@dataclass(frozen=True)
+class RunMeta:
+    """What the daemon and the replay need to know about a run.
+
+    Attributes:
+        run_id: the run's name (letters, digits, ``._-``; at most 128 characters).
+        recipe: ``"module:function"`` returning a :class:`sentineld.contracts.recipe.Recipe`, imported by the
+            replay from ``cwd``; None when the run gave none (replay then needs ``--recipe``).
+        recipe_args: keyword arguments (JSON values) the replay passes to the recipe function.
+        python: interpreter that ran training (the replay runs with the same one).
+        cwd: training's working directory (the user's model code lives there).
+        host, pid, rank, world_size: where the run lives.
+        torch_version, num_threads: replay checks these to explain a mismatch.
+        num_classes: classes of a classification loss, for the ln(C) first-loss check (optional).
+        started_s: Unix time the agent attached.
+        extra: free-form user metadata (strings, numbers).
+    """
+
+    run_id: str
+    recipe: str | None = None
+    recipe_args: dict[str, Any] = field(default_factory=dict)
+    python: str = field(default_factory=lambda: sys.executable)
+    cwd: str = field(default_factory=os.getcwd)
+    host: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+    rank: int = 0
+    world_size: int = 1
+    torch_version: str = ""
+    num_threads: int = 1
+    num_classes: int | None = None
+    started_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+    schema_version: int = RUN_SCHEMA_VERSION
+
+
+def valid_run_id(run_id: str) -> bool:
+    """True when ``run_id`` is a safe directory name."""
+    return bool(_RUN_ID.match(run_id)) and run_id not in {".", ".."}
+
+
+def make_private_dir(path: str | os.PathLike[str]) -> Path:
+    """Create ``path`` (and parents) with mode 0700 for what we create; return it.
+
+    Missing parents are created 0700 too (``Path.mkdir(parents=True)`` would give them the
+    umask's mode, e.g. 0755, and leave the list of runs readable by everyone).
+    """
+    p = Path(path)
+    missing = []
+    q = p
+    while not q.exists() and q.parent != q:
+        missing.append(q)
+        q = q.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=0o700)
+            os.chmod(d, 0o700)  # mkdir's mode is masked by the umask
+        except FileExistsError:
+            pass  # created meanwhile by another rank or process
+    p.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        os.chmod(p, 0o700)
+    except OSError:
+        pass  # a shared runs dir owned by someone else, or a read-only mount, keeps its mode
+    return p
+
+
+def write_run_meta(run_dir: Path, meta: RunMeta) -> Path:
+    """Write ``run.json`` atomically with mode 0600 (rank 0 wins; other ranks write ``run-rank<R>.json``)."""
+    name = RunDir.meta_name(meta.rank)
+    path = run_dir / name
+    tmp = path.with_name(name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(meta), f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def read_run_meta(run_dir: str | os.PathLike[str]) -> RunMeta:
+    """Read and validate ``run.json`` (falls back to the lowest ``run-rank<R>.json``).
+
+    Raises:
+        RunDirError: missing, not JSON, unknown schema version, or a field of the wrong type.
+    """
+    run_dir = Path(run_dir)
+    path = run_dir / RunDir.RUN_JSON
+    if not path.exists():
+        others = sorted(run_dir.glob("run-rank*.json"))
+        if not others:
+            raise RunDirError(f"{run_dir}: no run.json; is this a run directory written by "
+                              "sentineld.agent?")
+        path = others[0]
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RunDirError(f"{path}: unreadable run metadata ({exc})") from None
+    if not isinstance(obj, dict):
+        raise RunDirError(f"{path}: run metadata must be a JSON object")
+    version = obj.get("schema_version")
+    if version != RUN_SCHEMA_VERSION:
+        raise RunDirError(f"{path}: run schema version {version!r} is not supported "
+                          f"(expected {RUN_SCHEMA_VERSION})")
+    known = set(RunMeta.__dataclass_fields__)
+    unknown = set(obj) - known
+    if unknown:
+        raise RunDirError(f"{path}: unknown fields {sorted(unknown)}")
+    try:
+        meta = RunMeta(**obj)
+    except TypeError as exc:
+        raise RunDirError(f"{path}: {exc}") from None
+    if not isinstance(meta.run_id, str) or not valid_run_id(meta.run_id):
+        raise RunDirError(f"{path}: run_id {meta.run_id!r} is not a valid run id")
+    if meta.recipe is not None and (not isinstance(meta.recipe, str) or ":" not in meta.recipe):
+        raise RunDirError(f"{path}: recipe must be 'module:function', got {meta.recipe!r}")
+    return meta
+
+
+def resolve_run(run: str, runs_dir: str | os.PathLike[str] | None) -> Path:
+    """Turn a run id or a run directory path into the run directory.
+
+    Raises:
+        RunDirError: neither a directory nor a run id under ``runs_dir``.
+    """
+    p = Path(run)
+    if p.is_dir():
+        return p
+    if runs_dir is not None and valid_run_id(run) and (Path(runs_dir) / run).is_dir():
+        return Path(runs_dir) / run
+    where = f" under {runs_dir}" if runs_dir else ""
+    raise RunDirError(f"no run {run!r}{where}: pass a run directory or a run id "
+                      "(list them with `sentineld runs`)")
+
+
+def default_runs_dir() -> Path:
+    """Parent of run directories by default, for the agent, the daemon and the replay alike:
+    ``$SENTINELD_RUNS_DIR``, else ``<user state dir>/sentineld/runs`` (platformdirs)."""
+    env = os.environ.get("SENTINELD_RUNS_DIR")
+    if env:
+        return Path(env)
+    import platformdirs  # noqa: PLC0415
+
+    return Path(platformdirs.user_state_dir("sentineld")) / "runs"
+
+
+class RunDir:
+    """Every name in a run directory, and the patterns that recognise them: the one place they are
+    spelled (agent, daemon, recovery and replay all ask this object).
+
+    Args:
+        path: the run directory.
+    """
+
+    RUN_JSON = "run.json"
+    STREAM = re.compile(r"^stream-rank(\d+)\.jsonl$")
+    CAPTURE = re.compile(r"^capture-rank(\d+)-step(\d+)-([a-z_]+)\.h5$")
+    RING_PREFIX = "ring-rank"
+    RING = re.compile(r"^ring-rank(\d+)-(\d+)(?:-\d+)?$")
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    @staticmethod
+    def meta_name(rank: int) -> str:
+        """``run.json`` for rank 0, ``run-rank<R>.json`` for the others."""
+        return RunDir.RUN_JSON if rank == 0 else f"run-rank{rank}.json"
+
+    def stream(self, rank: int) -> Path:
+        """Rank ``rank``'s metrics stream, ``stream-rank<R>.jsonl``."""
+        return self.path / f"stream-rank{rank}.jsonl"
+
+    @staticmethod
+    def capture_name(rank: int, step: int, trigger: str) -> str:
+        """``capture-rank<R>-step<N>-<trigger>.h5`` (sorts by rank, then step)."""
+        return f"capture-rank{rank}-step{step:09d}-{trigger}.h5"
+
+    def capture(self, rank: int, step: int, trigger: str) -> Path:
+        """Path of a capture (see :meth:`capture_name`)."""
+        return self.path / self.capture_name(rank, step, trigger)
+
+    def unfinished_captures(self, rank: int) -> list[Path]:
+        """Rank ``rank``'s ``*.h5.tmp`` files: captures a killed process never finished."""
+        return list(self.path.glob(f"capture-rank{rank}-*.h5.tmp"))
+
+    def ring_name(self, rank: int, pid: int, n: int = 0) -> str:
+        """Name of an on-disk ring directory (``ring-rank<R>-<pid>[-<n>]``)."""
+        base = f"{self.RING_PREFIX}{rank}-{pid}"
+        return base if n == 0 else f"{base}-{n}"
+
+    def ring_dirs(self) -> list[Path]:
+        """On-disk ring directories in this run directory, sorted (none when unreadable)."""
+        try:
+            return sorted(p for p in self.path.iterdir() if p.name.startswith(self.RING_PREFIX) and p.is_dir())
+        except OSError:
+            return []
+
+    @classmethod
+    def stream_rank(cls, name: str) -> int | None:
+        """The rank of a stream file name, or None if it is not one."""
+        m = cls.STREAM.match(name)
+        return int(m.group(1)) if m else None
+
+    @classmethod
+    def parse_capture_name(cls, name: str) -> tuple[int, int, str] | None:
+        """``(rank, step, trigger)`` of a capture file name, or None if it is not one."""
+        m = cls.CAPTURE.match(name)
+        return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+
+    def captures(self) -> list[tuple[int, int, str, Path]]:
+        """Finished captures as ``(rank, step, trigger, path)`` sorted by step, then rank.
+
+        Raises:
+            OSError: the directory cannot be listed.
+        """
+        out = []
+        for p in self.path.iterdir():
+            parsed = self.parse_capture_name(p.name)
+            if parsed:
+                out.append((*parsed, p))
+        return sorted(out, key=lambda t: (t[1], t[0]))
+
+
+def stream_path(run_dir: Path, rank: int) -> Path:
+    """Path of rank ``rank``'s metrics stream (:meth:`RunDir.stream`)."""
+    return RunDir(run_dir).stream(rank)
+
+
+def capture_name(rank: int, step: int, trigger: str) -> str:
+    """File name of a capture (:meth:`RunDir.capture_name`)."""
+    return RunDir.capture_name(rank, step, trigger)
+
+
+def list_captures(run_dir: Path) -> list[tuple[int, int, str, Path]]:
+    """Finished captures as ``(rank, step, trigger, path)`` sorted by step, then rank (temp files skipped)."""
+    return RunDir(run_dir).captures()
+
+
+def parse_capture_name(name: str) -> tuple[int, int, str] | None:
+    """``(rank, step, trigger)`` of a capture file name, or None if it is not one."""
+    return RunDir.parse_capture_name(name)

@@ -1,0 +1,403 @@
+"""Forward daemon alerts to Prometheus Alertmanager's v2 API.
+
+Alertmanager identifies an alert by its label set and keeps the last annotations it received
+(prometheus.io/docs/alerting/latest/clients). So the labels here are host-free: ``alertname``,
+``run``, ``severity``, ``signature``; where and when (``host``, ``step``, ``rank``) go into
+annotations. The daemons on all hosts of a multi-node job then post the same alert and
+Alertmanager keeps one, routed by ``group_by: [alertname, run]`` (deploy/alertmanager).
+
+An alert without ``endsAt`` resolves itself ``resolve_timeout`` (default 5 min) after it was last
+received, and the client docs ask for re-sends every 30 s to 3 min. :class:`ActiveAlerts` does what
+Prometheus's own rule manager does: re-send every ``resend_s`` (60 s) with
+``endsAt = now + 4 * resend_s``, so an alert whose daemon died resolves by itself within minutes,
+and resolve by sending ``endsAt = now``.
+
+Example::
+
+    active = ActiveAlerts(resend_s=60.0)
+    active.fire(to_am_alert(signature="nonfinite_loss", run="r7", severity="critical",
+                            summary="loss is nan at step 48112", description="...",
+                            step=48112, ranks=[0, 3], host="gpu-node-3",
+                            starts_at=time.time()))
+    flush(active, "http://127.0.0.1:9093")        # call again every few seconds
+    active.resolve(alert_labels("nonfinite_loss", "r7", "critical"))
+    flush(active, "http://127.0.0.1:9093")
+
+Transport is :func:`post_alerts` (stdlib ``urllib``, no extra dependency); the rest is pure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+__all__ = [
+    "AlertmanagerError",
+    "ActiveAlerts",
+    "alertname_for",
+    "alert_labels",
+    "to_am_alert",
+    "post_alerts",
+    "flush",
+    "SEVERITIES",
+    "MAX_RESEND_S",
+]
+
+#: Severity label values; deploy/alertmanager routes "critical" and "warning".
+SEVERITIES = ("critical", "warning", "info")
+
+#: Longest allowed re-send period in seconds: Alertmanager's client docs ask for re-sends every
+#: 30 s to 3 min (prometheus.io/docs/alerting/latest/clients).
+MAX_RESEND_S = 180.0
+
+Alert = dict[str, Any]
+Labels = Mapping[str, str]
+
+
+class AlertmanagerError(Exception):
+    """Alertmanager could not be reached or rejected the alerts.
+
+    Attributes:
+        status: HTTP status code, or None when no response came back (connection refused,
+            timeout, DNS).
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def alertname_for(signature: str) -> str:
+    """Alert name for a signature: ``"nonfinite_loss"`` -> ``"SentineldNonfiniteLoss"``.
+
+    Args:
+        signature: signature name (snake_case, as the signatures module names them).
+
+    Returns:
+        CamelCase name with the ``Sentineld`` prefix, like the Prometheus rules' names.
+    """
+    parts = [p for p in signature.replace("-", "_").split("_") if p]
+    return "Sentineld" + "".join(p[:1].upper() + p[1:] for p in parts)
+
+
+def alert_labels(signature: str, run: str, severity: str, module: str | None = None) -> dict[str, str]:
+    """The identity of a daemon alert in Alertmanager: host-free labels.
+
+    Args:
+        signature: signature id (``sentineld.signatures.SIGNATURES``).
+        run: run id.
+        severity: one of :data:`SEVERITIES`.
+        module: qualified module name for per-layer signatures (bounded: one per module), or None.
+
+    Returns:
+        ``{"alertname", "run", "severity", "signature"[, "module"]}``; pass it to
+        :meth:`ActiveAlerts.resolve`.
+
+    Raises:
+        ValueError: an empty field or an unknown severity (the message names it).
+    """
+    _nonempty(signature, "signature")
+    _nonempty(run, "run")
+    if severity not in SEVERITIES:
+        raise ValueError(f"severity must be one of {SEVERITIES}, got {severity!r}")
+    labels = {
+        "alertname": alertname_for(signature),
+        "run": run,
+        "severity": severity,
+        "signature": signature,
+    }
+    if module is not None:
+        labels["module"] = _nonempty(module, "module")
+    return labels
+
+
+def _rfc3339(t: float | datetime, name: str) -> str:
+    """Format Unix seconds or an aware datetime as RFC 3339 UTC (``2026-11-30T15:12:00.123Z``)."""
+    if isinstance(t, datetime):
+        if t.tzinfo is None:
+            raise ValueError(f"{name} must be timezone-aware, got naive datetime {t!r}")
+        dt = t.astimezone(timezone.utc)
+    elif isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t):
+        dt = datetime.fromtimestamp(float(t), tz=timezone.utc)
+    else:
+        raise ValueError(f"{name} must be Unix seconds or an aware datetime, got {t!r}")
+    return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
+
+
+def _nonempty(value: str, name: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+    return value
+
+
+def to_am_alert(
+    *,
+    signature: str,
+    run: str,
+    severity: str,
+    summary: str,
+    description: str,
+    step: int | None,
+    ranks: Iterable[int],
+    host: str,
+    starts_at: float | datetime,
+    ends_at: float | datetime | None = None,
+    module: str | None = None,
+    generator_url: str | None = None,
+) -> Alert:
+    """Build one Alertmanager v2 alert (a JSON-ready dict) from a daemon alert's fields.
+
+    Args:
+        signature: signature that fired, e.g. ``"nonfinite_loss"``; also gives ``alertname``
+            (see :func:`alertname_for`).
+        run: run id.
+        severity: one of :data:`SEVERITIES`.
+        summary: one line for the notification title.
+        description: the longer text.
+        step: optimizer step the signature fired at, or None (annotation omitted).
+        ranks: ranks that saw it (the ``rank`` annotation, ``"0,3"``; omitted when empty).
+        host: host name of the daemon that saw it (annotation, not label: see module doc);
+            omitted when empty.
+        starts_at: when it started, Unix seconds or an aware datetime.
+        ends_at: when it ends, same types; None leaves it to Alertmanager (receipt +
+            ``resolve_timeout``). Set it to now to resolve.
+        module: qualified module name for per-layer signatures; becomes a label, so two
+            modules firing the same signature are two alerts.
+        generator_url: link back to the source (e.g. the daemon's status page); omitted if None.
+
+    Returns:
+        ``{"labels": {alertname, run, severity, signature, [module]}, "annotations": {summary,
+        description, [host], [step], [rank]}, "startsAt": ..., ["endsAt": ...],
+        ["generatorURL": ...]}`` with RFC 3339 UTC times (millisecond precision).
+
+    Raises:
+        ValueError: an empty string field, an unknown severity, a naive datetime or a
+            non-finite time; the message names the argument.
+    """
+    labels = alert_labels(signature, run, severity, module)
+    _nonempty(summary, "summary")
+    if not isinstance(host, str):
+        raise ValueError(f"host must be a string, got {host!r}")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be a non-negative int or None, got {step!r}")
+    rank_list = sorted({int(r) for r in ranks})
+    alert: Alert = {
+        "labels": labels,
+        "annotations": {"summary": summary, "description": description},
+        "startsAt": _rfc3339(starts_at, "starts_at"),
+    }
+    if host:
+        alert["annotations"]["host"] = host
+    if step is not None:
+        alert["annotations"]["step"] = str(step)
+    if rank_list:
+        alert["annotations"]["rank"] = ",".join(str(r) for r in rank_list)
+    if ends_at is not None:
+        alert["endsAt"] = _rfc3339(ends_at, "ends_at")
+    if generator_url is not None:
+        alert["generatorURL"] = _nonempty(generator_url, "generator_url")
+    return alert
+
+
+def post_alerts(base_url: str, alerts: Sequence[Alert], timeout_s: float = 5.0) -> None:
+    """POST alerts to ``<base_url>/api/v2/alerts``.
+
+    Args:
+        base_url: Alertmanager's URL, e.g. ``"http://127.0.0.1:9093"`` (a path prefix such as
+            ``/alertmanager`` is kept).
+        alerts: alerts as built by :func:`to_am_alert`; an empty sequence sends nothing.
+        timeout_s: connect and read timeout in seconds.
+
+    Raises:
+        ValueError: ``base_url`` is not http(s) or ``timeout_s`` is not positive.
+        AlertmanagerError: no connection, a timeout, or a non-2xx answer (status and the start
+            of the body in the message; 400/422 mean a malformed alert, which a retry will not
+            fix).
+    """
+    parts = urllib.parse.urlsplit(base_url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+    if not alerts:
+        return
+    url = base_url.rstrip("/") + "/api/v2/alerts"
+    body = json.dumps(list(alerts)).encode("utf-8")
+    request = urllib.request.Request(
+        url, data=body, method="POST", headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            response.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read(500).decode("utf-8", "replace").strip()
+        raise AlertmanagerError(
+            f"Alertmanager at {url} answered {e.code} {e.reason}: {detail}", status=e.code
+        ) from e
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise AlertmanagerError(f"cannot reach Alertmanager at {url}: {reason}") from e
+
+
+def _key(labels: Labels) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(labels.items()))
+
+
+@dataclass
+class _Entry:
+    alert: Alert
+    sent_s: float | None  # Unix time of the last successful post; None = never / changed since
+
+
+class ActiveAlerts:
+    """Which alerts to (re-)send to Alertmanager and when; no I/O.
+
+    Firing alerts are due when new, when their annotations changed, and every ``resend_s``
+    after. Each is sent with ``endsAt = now + 4 * resend_s`` (Prometheus's rule manager uses
+    the same factor), so Alertmanager resolves it by itself if this process stops re-sending.
+    A resolved alert is due once with ``endsAt = now`` and kept until a post succeeded.
+
+    Example::
+
+        active = ActiveAlerts(resend_s=60.0)
+        active.fire(alert)                    # alert from to_am_alert()
+        due = active.due()                    # [alert with endsAt = now + 240 s]
+        post_alerts(url, due); active.mark_sent(due)
+        active.due()                          # [] until 60 s have passed
+
+    Args:
+        resend_s: seconds between re-sends of a firing alert; default 60, at most
+            :data:`MAX_RESEND_S` (Alertmanager's client docs: every 30 s to 3 min). An alert
+            whose sender stopped resolves ``4 * resend_s`` after the last send.
+        clock: returns Unix seconds; ``time.time`` by default (``endsAt`` is wall-clock time).
+
+    Raises:
+        ValueError: ``resend_s`` not in (0, MAX_RESEND_S].
+    """
+
+    #: endsAt of a firing alert = now + TTL_FACTOR * resend_s (Prometheus: 4 * resend delay).
+    TTL_FACTOR = 4
+
+    def __init__(
+        self,
+        resend_s: float = 60.0,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not 0 < resend_s <= MAX_RESEND_S:
+            raise ValueError(
+                f"resend_s must be in (0, {MAX_RESEND_S:g}] seconds (Alertmanager's client docs ask "
+                f"for re-sends every 30 s to 3 min), got {resend_s!r}"
+            )
+        self.resend_s = float(resend_s)
+        self._clock = clock
+        self._firing: dict[tuple[tuple[str, str], ...], _Entry] = {}
+        self._resolving: dict[tuple[tuple[str, str], ...], Alert] = {}
+
+    def __len__(self) -> int:
+        """Number of firing alerts."""
+        return len(self._firing)
+
+    def fire(self, alert: Alert) -> None:
+        """Start or update a firing alert (same labels = same alert; last annotations win).
+
+        Args:
+            alert: as built by :func:`to_am_alert`; its ``endsAt`` is ignored.
+
+        Raises:
+            ValueError: the alert has no ``labels.alertname``.
+        """
+        labels = alert.get("labels") or {}
+        if not labels.get("alertname"):
+            raise ValueError(f"alert needs labels.alertname, got labels {labels!r}")
+        key = _key(labels)
+        self._resolving.pop(key, None)
+        alert = {k: v for k, v in alert.items() if k != "endsAt"}
+        entry = self._firing.get(key)
+        if entry is None:
+            self._firing[key] = _Entry(alert, None)
+            return
+        if alert.get("annotations") != entry.alert.get("annotations"):
+            entry.sent_s = None  # changed: due now
+        alert["startsAt"] = entry.alert.get("startsAt", alert.get("startsAt"))
+        entry.alert = alert
+
+    def resolve(self, labels: Labels) -> bool:
+        """Resolve the firing alert with these labels; it is sent once with ``endsAt = now``.
+
+        Args:
+            labels: the alert's full label set.
+
+        Returns:
+            True if such an alert was firing.
+        """
+        entry = self._firing.pop(_key(labels), None)
+        if entry is None:
+            return False
+        resolved = dict(entry.alert)
+        resolved["endsAt"] = _rfc3339(self._clock(), "now")
+        self._resolving[_key(labels)] = resolved
+        return True
+
+    def due(self) -> list[Alert]:
+        """Alerts to post now: resolutions, new or changed alerts, and re-sends.
+
+        Returns:
+            Copies with ``endsAt`` set; pass the same list to :meth:`mark_sent` after a
+            successful post.
+        """
+        now = self._clock()
+        out = [dict(a) for a in self._resolving.values()]
+        ends_at = _rfc3339(now + self.TTL_FACTOR * self.resend_s, "endsAt")
+        for entry in self._firing.values():
+            if entry.sent_s is None or now - entry.sent_s >= self.resend_s:
+                out.append({**entry.alert, "endsAt": ends_at})
+        return out
+
+    def mark_sent(self, alerts: Iterable[Alert]) -> None:
+        """Record a successful post of ``alerts`` (as returned by :meth:`due`)."""
+        now = self._clock()
+        for alert in alerts:
+            key = _key(alert["labels"])
+            if key in self._resolving and self._resolving[key].get("endsAt") == alert.get("endsAt"):
+                del self._resolving[key]
+            elif key in self._firing:
+                entry = self._firing[key]
+                if entry.alert.get("annotations") == alert.get("annotations"):
+                    entry.sent_s = now  # else it changed after due(): still due
+
+
+def flush(
+    active: ActiveAlerts,
+    base_url: str,
+    timeout_s: float = 5.0,
+    post: Callable[[str, Sequence[Alert], float], None] = post_alerts,
+) -> int:
+    """Post what :meth:`ActiveAlerts.due` returns and mark it sent.
+
+    Call it on the daemon's loop tick (every few seconds); most calls send nothing.
+
+    Args:
+        active: the alert state.
+        base_url: Alertmanager's URL.
+        timeout_s: per-request timeout in seconds.
+        post: the transport, :func:`post_alerts` by default.
+
+    Returns:
+        Number of alerts posted.
+
+    Raises:
+        AlertmanagerError: the post failed; nothing is marked sent, so the next call retries.
+    """
+    due = active.due()
+    if due:
+        post(base_url, due, timeout_s)
+        active.mark_sent(due)
+    return len(due)

@@ -1,0 +1,167 @@
+"""The daemon's alert policy, pure: a run's active signatures, its new verdicts and the time in;
+the notifications to send and the new active set out. No I/O, no clock, no threads, so every rule
+below has a row in ``tests/daemon/test_policy.py``.
+
+Rules (all from the design; ``sentineld.daemon.service`` carries them out):
+
+- one alert per (signature, module) across ranks: the earliest step, every rank that showed it
+  (:func:`merge_verdicts`; data-parallel ranks fail together);
+- once ``nonfinite`` fires, only ``nonfinite`` and ``stalled`` are kept: every other detector
+  reads garbage over NaN values (a NaN layer looks "dead");
+- a signature that starts firing is alerted, unless it fired within ``alert_interval_s`` of its
+  last alert: then it is tracked (status, gauge, Alertmanager) but neither notified nor, when it
+  clears, announced as recovered;
+- in a multi-rank run a new alert is held ``rank_grace_s`` so it names every rank; one that
+  clears while held was never sent and gets no recovery notice;
+- a signature that stops firing gets a recovery notice at the run's last step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+__all__ = ["Active", "Decision", "merge_verdicts", "transitions", "decide", "due_holds",
+           "active_from_dict"]
+
+
+@dataclass
+class Active:
+    """A firing signature of a run: first step, ranks that showed it, and the verdict's fields."""
+
+    signature: str
+    module: str | None
+    step: int
+    ranks: list[int]
+    severity: str
+    message: str
+    numbers: dict[str, float]
+    fix: str
+    notified: bool = False
+
+    @property
+    def key(self) -> str:
+        """``signature`` or ``signature@module``: the identity of one alert in a run."""
+        return f"{self.signature}@{self.module}" if self.module else self.signature
+
+
+def active_from_dict(d: Mapping[str, Any]) -> Active:
+    """An :class:`Active` from its saved dict (extra keys such as ``suppressed`` are ignored)."""
+    return Active(**{k: v for k, v in d.items() if k in Active.__dataclass_fields__})
+
+
+def merge_verdicts(per_rank: Mapping[int, Sequence[Any]]) -> dict[str, Active]:
+    """One :class:`Active` per (signature, module) across ranks: earliest step, all ranks named.
+
+    The ranks of a data-parallel job fail together (gradients are all-reduced), so a run gets one
+    alert naming every rank, and the rank with the earliest step first.
+    """
+    out: dict[str, Active] = {}
+    for rank in sorted(per_rank):
+        for v in per_rank[rank]:
+            a = Active(v.signature, v.module, int(v.step), [rank], v.severity, v.message,
+                       dict(v.numbers), v.fix)
+            cur = out.get(a.key)
+            if cur is None:
+                out[a.key] = a
+            else:
+                if rank not in cur.ranks:
+                    cur.ranks.append(rank)
+                if a.step < cur.step:
+                    a.ranks = cur.ranks
+                    out[a.key] = a
+    return out
+
+
+def transitions(before: Iterable[str], now: Mapping[str, Active]) -> tuple[list[Active], list[str]]:
+    """``(newly firing, cleared keys)`` between the previous and the current active sets."""
+    prev = set(before)
+    return [a for k, a in now.items() if k not in prev], sorted(prev - set(now))
+
+
+@dataclass
+class Decision:
+    """What to do after one evaluation of a run.
+
+    Attributes:
+        active: the run's new active set (saved dicts, as ``RunWatch.active`` holds them).
+        alert: alerts to send now.
+        hold: alerts to send at the given time (multi-rank grace), by key.
+        suppressed: alerts tracked but not notified (``alert_interval_s``): Alertmanager only.
+        recovered: cleared alerts to announce (recovery notice and Alertmanager resolve).
+        resolved_quietly: cleared suppressed alerts: Alertmanager resolve only, no notice.
+        dropped_holds: keys of held alerts that cleared before they were sent.
+    """
+
+    active: dict[str, dict[str, Any]]
+    alert: list[Active] = field(default_factory=list)
+    hold: dict[str, float] = field(default_factory=dict)
+    suppressed: list[Active] = field(default_factory=list)
+    recovered: list[Active] = field(default_factory=list)
+    resolved_quietly: list[Active] = field(default_factory=list)
+    dropped_holds: list[str] = field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        """True when something started or stopped firing (the run's progress must be saved)."""
+        return bool(self.alert or self.hold or self.suppressed or self.recovered
+                    or self.resolved_quietly or self.dropped_holds)
+
+
+def decide(active: Mapping[str, Mapping[str, Any]], per_rank: Mapping[int, Sequence[Any]], *,
+           now_s: float, last_alert_s: Mapping[str, float], held: Iterable[str], multi_rank: bool,
+           alert_interval_s: float, rank_grace_s: float) -> Decision:
+    """Apply the module's rules to one evaluation of a run.
+
+    Args:
+        active: the run's active set before (``key -> saved Active dict``); not modified.
+        per_rank: each rank's verdicts from :func:`sentineld.signatures.evaluate`.
+        now_s: the daemon's clock, seconds.
+        last_alert_s: when each key was last alerted (daemon clock, seconds).
+        held: keys whose alert is held now.
+        multi_rank: the run has more than one rank (``world_size > 1``).
+        alert_interval_s: see the module docstring (daemon config).
+        rank_grace_s: see the module docstring.
+
+    Returns:
+        A :class:`Decision`; its ``active`` is a new dict.
+    """
+    current = merge_verdicts(per_rank)
+    if any(a.signature == "nonfinite" for a in current.values()):
+        current = {k: a for k, a in current.items() if a.signature in ("nonfinite", "stalled")}
+    new: dict[str, dict[str, Any]] = {k: dict(v) for k, v in active.items()}
+    for v in new.values():
+        v["ranks"] = list(v.get("ranks", []))
+    fired, cleared = transitions(new.keys(), current)
+    for key, a in current.items():
+        if key in new:  # ranks that show a firing signature later join it
+            ranks = new[key]["ranks"]
+            ranks.extend(r for r in a.ranks if r not in ranks)
+    out = Decision(active=new)
+    for a in fired:
+        last = last_alert_s.get(a.key)
+        if last is not None and now_s - last < alert_interval_s:
+            new[a.key] = {**asdict(a), "notified": True, "suppressed": True}
+            out.suppressed.append(a)
+            continue
+        new[a.key] = asdict(a)
+        if multi_rank:
+            out.hold[a.key] = now_s + rank_grace_s
+        else:
+            out.alert.append(a)
+    held_now = set(held)
+    for key in cleared:
+        d = new.pop(key)
+        a = active_from_dict(d)
+        if key in held_now:
+            out.dropped_holds.append(key)
+        if d.get("suppressed"):
+            out.resolved_quietly.append(a)
+        elif key not in held_now:
+            out.recovered.append(a)
+    return out
+
+
+def due_holds(held: Mapping[tuple[str, str], float], now_s: float) -> list[tuple[str, str]]:
+    """The held ``(run, key)`` alerts whose grace ended at ``now_s``, in hold order."""
+    return [k for k, deadline in held.items() if now_s >= deadline]

@@ -1,0 +1,244 @@
+"""The daemon's view of one run directory: streams tailed, windows of records, captures seen.
+
+:meth:`RunWatch.poll` does the I/O (read new stream lines, list captures); what to alert on is
+decided by :mod:`sentineld.daemon.policy` over its state. Progress
+(stream offsets, active signatures, captures seen) is saved to the daemon's state dir so a
+restarted daemon neither repeats nor misses anything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sentineld.contracts.records import StepRecord, record_from_json
+from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, read_run_meta
+from sentineld.contracts.stream import CHUNK_BYTES, StreamTail, read_lines
+
+__all__ = ["RunWatch", "save_progress", "load_progress"]
+
+log = logging.getLogger("sentineld.daemon")
+
+
+def _as_int(v: Any, default: int = 0) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError, OverflowError):
+        return default
+
+
+def _parse_record(obj: dict[str, Any]) -> StepRecord | None:
+    """A StepRecord from a stream line, or None when a field has the wrong type."""
+    try:
+        rec = record_from_json(obj)
+    except (ValueError, TypeError, OverflowError, AttributeError):
+        return None
+    for name in ("grad_norm", "lr", "loss_scale"):
+        v = getattr(rec, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            return None
+    if not isinstance(rec.step_s, (int, float)) or not isinstance(rec.time_s, (int, float)):
+        return None
+    return rec
+
+
+@dataclass
+class RunWatch:
+    """State of one watched run. ``error`` holds why its files cannot be read (it is retried).
+
+    Streams are read a bounded chunk at a time (:data:`sentineld.contracts.stream.CHUNK_BYTES`) and handed
+    out at most ``max_records`` step records per rank per :meth:`poll`, so a daemon catching up
+    on a long stream holds a bounded slice of it and evaluates every part of it (a window of
+    ``window`` records, evaluated every ``window // 2`` records, sees every record).
+    """
+
+    run_dir: Path
+    window: int = 200
+    meta: RunMeta | None = None
+    error: str | None = None
+    tails: dict[int, StreamTail] = field(default_factory=dict)
+    records: dict[int, deque[StepRecord]] = field(default_factory=dict)
+    last_step: dict[int, int] = field(default_factory=dict)
+    ended: dict[int, str] = field(default_factory=dict)
+    pids: dict[int, int] = field(default_factory=dict)
+    hosts: dict[int, str] = field(default_factory=dict)
+    active: dict[str, dict[str, Any]] = field(default_factory=dict)
+    captures_seen: set[str] = field(default_factory=set)
+    agent_errors: list[str] = field(default_factory=list)
+    bad_lines: int = 0
+    last_alert_s: dict[str, float] = field(default_factory=dict)
+    reported_error: str | None = None
+    _buf: dict[int, deque[tuple[dict[str, Any] | None, int]]] = field(default_factory=dict)
+    _consumed: dict[int, int] = field(default_factory=dict)
+    _starts: dict[int, deque[int]] = field(default_factory=dict)
+    _quiet_until: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def run_id(self) -> str:
+        return self.meta.run_id if self.meta else self.run_dir.name
+
+    @property
+    def behind(self) -> bool:
+        """True when records are waiting to be handed out (call :meth:`poll` again)."""
+        return any(self._buf.get(r) for r in self.tails) or any(t.behind for t in self.tails.values())
+
+    def _add_rank(self, rank: int, offset: int = 0) -> StreamTail:
+        tail = StreamTail(RunDir(self.run_dir).stream(rank))
+        tail.offset = offset
+        self.tails[rank] = tail
+        self.records[rank] = deque(maxlen=self.window)
+        self._starts[rank] = deque(maxlen=self.window)
+        self._buf[rank] = deque()
+        self._consumed[rank] = offset
+        return tail
+
+    def poll(self, max_records: int | None = None) -> tuple[dict[int, list[StepRecord]], list[Path]]:
+        """Read what is new: ``({rank: new step records}, new capture paths)``.
+
+        Args:
+            max_records: most step records handed out per rank (None: all read so far).
+
+        Never raises for a damaged run: the reason goes to ``error`` and the daemon keeps
+        watching the other runs.
+        """
+        new: dict[int, list[StepRecord]] = {}
+        try:
+            if self.meta is None:
+                self.meta = read_run_meta(self.run_dir)
+            names = os.listdir(self.run_dir)
+        except (RunDirError, OSError) as exc:
+            self.error = str(exc)
+            return new, []
+        self.error = None
+        for name in names:
+            rank = RunDir.stream_rank(name)
+            if rank is not None and rank not in self.tails:
+                self._add_rank(rank)
+        for rank, tail in self.tails.items():
+            buf = self._buf[rank]
+            if not buf:
+                try:
+                    lines = self._read_tail(rank, tail)
+                except OSError as exc:
+                    self.error = f"{tail.path}: {exc}"
+                    continue
+                buf.extend(lines)
+            handed = 0
+            while buf and (max_records is None or handed < max_records):
+                obj, end = buf.popleft()
+                start, self._consumed[rank] = self._consumed[rank], end
+                if obj is None:
+                    tail.bad_lines += 1
+                    continue
+                kind = obj.get("kind")
+                if kind == "step":
+                    rec = _parse_record(obj)
+                    if rec is None:
+                        tail.bad_lines += 1
+                        continue
+                    self.records[rank].append(rec)
+                    self._starts[rank].append(start)
+                    self.last_step[rank] = rec.step
+                    if end > self._quiet_until.get(rank, -1):
+                        new.setdefault(rank, []).append(rec)
+                        handed += 1
+                elif kind == "start":
+                    self.pids[rank] = _as_int(obj.get("pid"))
+                    self.hosts[rank] = str(obj.get("host", ""))[:255]
+                    self.ended.pop(rank, None)
+                elif kind == "end":
+                    self.ended[rank] = str(obj.get("reason", "finished"))[:100]
+                elif kind in ("agent_error", "agent_warning"):
+                    self.agent_errors.append(str(obj.get("message", ""))[:500])
+                    del self.agent_errors[:-20]
+            self.bad_lines = sum(t.bad_lines for t in self.tails.values())
+        caps = []
+        try:
+            for _rank, _step, _trigger, path in list_captures(self.run_dir):
+                if path.name not in self.captures_seen:
+                    caps.append(path)
+        except OSError as exc:
+            self.error = str(exc)
+        return new, caps
+
+    def _read_tail(self, rank: int, tail: StreamTail) -> list[tuple[dict[str, Any] | None, int]]:
+        try:
+            size = tail.path.stat().st_size
+        except FileNotFoundError:
+            tail.behind = False
+            return []
+        if size < tail.offset:  # truncated or replaced: start over
+            tail.offset = self._consumed[rank] = 0
+            self._quiet_until.pop(rank, None)
+        lines, offset = read_lines(tail.path, tail.offset, CHUNK_BYTES)
+        tail.behind = offset != tail.offset and offset < size
+        tail.offset = offset
+        return lines
+
+    def ring_dirs(self) -> list[Path]:
+        """On-disk ring buffers (``ring-rank<R>-<pid>/``) in this run directory."""
+        return RunDir(self.run_dir).ring_dirs()
+
+    def status(self) -> dict[str, Any]:
+        """This run's entry in the daemon's ``status.json``."""
+        return {"run_id": self.run_id, "run_dir": str(self.run_dir), "ranks": sorted(self.tails),
+                "last_step": max(self.last_step.values(), default=None),
+                "ended": {str(k): v for k, v in self.ended.items()},
+                "active": sorted(self.active), "captures": len(self.captures_seen),
+                "error": self.error, "bad_lines": self.bad_lines,
+                "agent_warnings": self.agent_errors[-3:]}
+
+    # ---------------------------------------------------------- persistence
+    def progress(self) -> dict[str, Any]:
+        """What to save so a restarted daemon resumes where this one stopped.
+
+        ``offsets`` is just past the last record handed out; ``window_offsets`` is where the
+        records still in the window start, so a restart refills the window (without alerting on
+        it again) and the signatures see the same history.
+        """
+        return {"offsets": {str(r): self._consumed.get(r, t.offset) for r, t in self.tails.items()},
+                "window_offsets": {str(r): (self._starts[r][0] if self._starts.get(r) else
+                                            self._consumed.get(r, t.offset))
+                                   for r, t in self.tails.items()},
+                "active": self.active, "captures_seen": sorted(self.captures_seen),
+                "last_step": {str(r): s for r, s in self.last_step.items()},
+                "ended": {str(r): v for r, v in self.ended.items()},
+                "last_alert_s": self.last_alert_s}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Resume from :meth:`progress` output (offsets past records already evaluated)."""
+        win = saved.get("window_offsets", {}) if isinstance(saved.get("window_offsets"), dict) else {}
+        for r, off in saved.get("offsets", {}).items():
+            rank, off = _as_int(r), _as_int(off)
+            start = min(_as_int(win.get(r, off), off), off)
+            self._add_rank(rank, start)
+            self._quiet_until[rank] = off  # records up to here were evaluated before: refill only
+        self.active = dict(saved.get("active", {}))
+        self.captures_seen = set(saved.get("captures_seen", []))
+        self.last_step = {_as_int(r): _as_int(s) for r, s in saved.get("last_step", {}).items()}
+        self.ended = {_as_int(r): str(v) for r, v in saved.get("ended", {}).items()}
+        self.last_alert_s = {str(k): float(v) for k, v in (saved.get("last_alert_s") or {}).items()
+                             if isinstance(v, (int, float))}
+
+
+def save_progress(path: Path, rw: RunWatch) -> None:
+    """Write ``rw``'s progress atomically (0600)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(rw.progress(), f)
+    os.replace(tmp, path)
+
+
+def load_progress(path: Path) -> dict[str, Any] | None:
+    """Saved progress, or None (missing or unreadable: start from the beginning)."""
+    try:
+        obj = json.loads(path.read_text())
+        return obj if isinstance(obj, dict) else None
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,432 @@
+"""The daemon service: lock, watcher, main loop; watch run directories, alert on signatures,
+deliver, and replay captures.
+
+Threads, each waiting on the stop event with a timeout (never a bare sleep):
+
+- main: on file events (watchdog) or every ``poll_s``, polls each run (:class:`RunWatch`),
+  evaluates signatures over each rank's window (a stream that is behind is read in bounded
+  chunks, each evaluated), enqueues alerts and recovery notices in the outbox, queues replays
+  for new captures and recoveries for on-disk rings of dead processes, and writes
+  ``status.json``;
+- delivery, replay, recover: :mod:`sentineld.daemon.loops` (one thread each).
+
+What to alert on is decided by :mod:`sentineld.daemon.policy` (pure); what is said and where it
+goes by :mod:`sentineld.daemon.notifier`.
+
+Once per incident comes from the outbox's deterministic ids plus saved per-run progress
+(stream offsets, the window's start, active signatures, captures seen) and per-capture replay
+records. An alert is in the outbox before the progress that says it was sent is saved, so a
+crash between the two repeats the enqueue (a no-op), never loses the alert. A signature of a run
+that fires again within ``alert_interval_s`` of its last alert is tracked but not notified again
+(nor is its recovery).
+
+Everything the daemon writes is private (umask 077 while it runs: directories 0700, files 0600),
+and secrets in notification URLs never reach a log line, ``status.json`` or the outbox.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Callable
+
+from sentineld.contracts.rundir import make_private_dir, parse_capture_name
+from sentineld.contracts.triggers import CRASH
+from sentineld.daemon.daemon_config import DaemonConfig
+from sentineld.daemon.delivery import SecretFilter, destinations, url_secrets
+from sentineld.daemon.loops import DeliveryThread, RecoverThread, ReplayThread, Stats, guard
+from sentineld.daemon.metrics import start_metrics
+from sentineld.daemon.notifier import Notifier
+from sentineld.daemon.outbox import Outbox, notification_id
+from sentineld.daemon.policy import Active, Decision, active_from_dict, decide, due_holds
+from sentineld.daemon.replay_runner import ReplayOutcome
+from sentineld.daemon.runwatch import RunWatch, load_progress, save_progress
+from sentineld.daemon.statedir import (
+    destination_secret,
+    take_lock,
+    write_json_atomic,
+    write_pidfile,
+    write_status,
+)
+from sentineld.daemon.watcher import DirtyRuns, start_observer
+
+__all__ = ["Daemon"]
+
+log = logging.getLogger("sentineld.daemon")
+
+#: Seconds between signature evaluations of a run that wrote nothing new (for ``stalled``).
+IDLE_EVAL_S = 10.0
+
+#: Seconds one run may hold the main loop while catching up before the others get a turn.
+CATCH_UP_SLICE_S = 0.5
+
+#: Seconds between saves of a run's reading progress when nothing fired (an alert saves at once;
+#: a restart re-reads at most this much, and the outbox ids make the re-read alert-free).
+PROGRESS_EVERY_S = 1.0
+
+#: Seconds a new run directory may lack its run.json before that is reported.
+RUN_JSON_GRACE_S = 10.0
+
+#: Seconds a multi-rank run's new alert waits for the other ranks' streams (our measurement: DDP
+#: ranks on one host flush their NaN step within ~0.3 s of each other).
+RANK_GRACE_S = 2.0
+
+
+class Daemon:
+    """One daemon over ``config.runs_dir``. Use :meth:`run` (blocks until :meth:`stop`).
+
+    Args:
+        config: :class:`DaemonConfig`.
+        clock: wall clock in seconds (injectable for tests of timing logic).
+    """
+
+    def __init__(self, config: DaemonConfig, clock: Callable[[], float] = time.time) -> None:
+        self.cfg = config
+        self.clock = clock
+        self.stop_event = threading.Event()
+        self.dirty = DirtyRuns(config.runs_dir)
+        self.state_dir = make_private_dir(config.state_dir)
+        self.progress_dir = make_private_dir(self.state_dir / "progress")
+        self.replays_dir = make_private_dir(self.state_dir / "replays")
+        self.runs: dict[str, RunWatch] = {}
+        self.started_s = clock()
+        self.stats = Stats()
+        self.secrets = SecretFilter(set().union(*(url_secrets(u) for u in config.notify),
+                                                url_secrets(config.alertmanager_url or "")))
+        # Before anything parses the URLs: apprise logs them (unmasked tokens) at DEBUG.
+        self._filtered = [h for h in logging.getLogger().handlers if self.secrets not in h.filters]
+        for h in self._filtered:
+            h.addFilter(self.secrets)
+        self.notifier = Notifier(Outbox(self.state_dir / "outbox"),
+                                 destinations(config.notify, destination_secret(self.state_dir)), clock)
+        self.metrics_port: int | None = None
+        self._metrics: dict[str, Any] = {}
+        self._rings_checked: dict[str, float] = {}
+        self._saved: dict[str, float] = {}
+        self._unsaved: set[str] = set()
+        self._last_eval: dict[str, float] = {}
+        self._sig_config = self._signature_config()
+        self._held: dict[tuple[str, str], float] = {}
+
+    @property
+    def wake(self) -> threading.Event:
+        """Set to make the main loop look at the runs now."""
+        return self.dirty.wake
+
+    def _signature_config(self) -> Any:
+        from sentineld.signatures import SignatureConfig  # noqa: PLC0415
+
+        return SignatureConfig.from_mapping(dict(self.cfg.signatures))
+
+    # -------------------------------------------------------------- lifetime
+    def stop(self, *_: Any) -> None:
+        """Ask every loop to finish (safe from a signal handler)."""
+        self.stop_event.set()
+        self.wake.set()
+
+    def run(self, install_signals: bool = True) -> None:
+        """Take the lock, start the threads and loop until :meth:`stop` or SIGTERM/SIGINT.
+
+        Raises:
+            AlreadyRunning: another daemon uses this state dir.
+        """
+        old_umask = os.umask(0o077)  # everything we create: dirs 0700, files 0600
+        try:
+            lock = take_lock(self.state_dir)
+            with ExitStack() as stack:
+                stack.callback(lock.release)
+                self._start(stack, install_signals)
+                self._serve()
+        finally:
+            os.umask(old_umask)
+
+    def _start(self, stack: ExitStack, install_signals: bool) -> None:
+        """Everything the threads need, each undone by ``stack`` at exit."""
+        for h in logging.getLogger().handlers:
+            if self.secrets not in h.filters:
+                h.addFilter(self.secrets)
+                self._filtered.append(h)
+        for h in self._filtered:
+            stack.callback(h.removeFilter, self.secrets)
+        pidfile = write_pidfile(self.state_dir)
+        stack.callback(lambda: pidfile.unlink(missing_ok=True))
+        if install_signals and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self.stop)
+            signal.signal(signal.SIGINT, self.stop)
+        make_private_dir(self.cfg.runs_dir)
+        server, self._metrics, self.metrics_port = start_metrics(self.cfg.metrics_port, self.cfg.metrics_addr)
+        if server is not None:
+            stack.callback(server.server_close)
+            stack.callback(server.shutdown)
+        obs = start_observer(self.dirty, self.cfg.polling_observer, self.cfg.poll_s)
+        stack.callback(obs.join, 5)
+        stack.callback(obs.stop)
+        if self.cfg.alertmanager_url:
+            from sentineld.daemon.alertmanager import ActiveAlerts  # noqa: PLC0415
+
+            self.notifier.am = ActiveAlerts(resend_s=60.0)
+        urls = ", ".join(d.shown for d in self.notifier.dests) or "none (notifications log only)"
+        log.info("sentineld daemon %d watching %s; state %s; notify: %s", os.getpid(),
+                 self.cfg.runs_dir, self.state_dir, urls)
+
+    def _serve(self) -> None:
+        """Run the threads and the main loop until stopped; save what is unsaved."""
+        self._replayer = ReplayThread(self.stop_event, self.cfg, self.replays_dir, self._replay_record,
+                                      self._finish_replay)
+        self._recoverer = RecoverThread(self.stop_event, self.dirty, self.stats)
+        threads = [DeliveryThread(self.stop_event, self.cfg, self.notifier, self.state_dir / "notifications.jsonl",
+                                  self.secrets, self.stats, self._metrics), self._replayer, self._recoverer]
+        for t in threads:
+            t.start()
+        guard(self._main_loop, self.stop_event)
+        for key in list(self._unsaved):
+            if key in self.runs:
+                self._save(self.runs[key])
+        self.stop_event.set()
+        self.wake.set()
+        for t in threads:
+            t.join(timeout=10)
+        self._write_status()
+        log.info("sentineld daemon %d stopped", os.getpid())
+
+    # ------------------------------------------------------------- main loop
+    def _main_loop(self) -> None:
+        last_scan = 0.0
+        while not self.stop_event.is_set():
+            now = self.clock()
+            full = now - last_scan >= self.cfg.poll_s
+            dirty = self.dirty.take()
+            if full:
+                last_scan = now
+                dirty |= self._scan_runs_dir()
+            for run_dir in sorted(dirty):
+                self._process(run_dir)
+            self._release_held()
+            if full:
+                self._idle_evaluations()
+                self._write_status()
+            self.wake.wait(min(self.cfg.poll_s, 0.5))
+            self.wake.clear()
+
+    def _scan_runs_dir(self) -> set[Path]:
+        try:
+            return {p for p in self.cfg.runs_dir.iterdir() if p.is_dir()}
+        except OSError as exc:
+            log.warning("cannot list runs dir %s: %s", self.cfg.runs_dir, exc)
+            return set()
+
+    def _watch(self, run_dir: Path) -> RunWatch:
+        key = str(run_dir)
+        rw = self.runs.get(key)
+        if rw is None:
+            rw = RunWatch(run_dir, window=self.cfg.window)
+            saved = load_progress(self._progress_path(run_dir))
+            if saved:
+                rw.restore(saved)
+                for k, act in rw.active.items():
+                    if not act.get("notified", True):
+                        self._held[(key, k)] = self.clock()  # held when the last daemon stopped
+                    # Alertmanager forgets alerts that are not re-sent: restore what was firing.
+                    self.notifier.am_fire_quietly(rw, active_from_dict(act))
+            self.runs[key] = rw
+        return rw
+
+    def _progress_path(self, run_dir: Path) -> Path:
+        return self.progress_dir / f"{notification_id(str(run_dir))}.json"
+
+    def _process(self, run_dir: Path) -> None:
+        try:
+            if not run_dir.is_dir():
+                return
+        except OSError:
+            return
+        rw = self._watch(run_dir)
+        changed = self._read_run(rw)
+        self._report_error(rw)
+        now = time.monotonic()
+        if now - self._rings_checked.get(str(run_dir), 0.0) >= self.cfg.poll_s:
+            self._rings_checked[str(run_dir)] = now
+            self._recoverer.offer(rw)
+        if self.cfg.replay:
+            self._replayer.offer(rw)
+        if changed:
+            self._unsaved.add(str(run_dir))
+        if str(run_dir) in self._unsaved and now - self._saved.get(str(run_dir), 0.0) >= PROGRESS_EVERY_S:
+            self._save(rw)
+
+    def _read_run(self, rw: RunWatch) -> bool:
+        """Read what ``rw`` wrote, a bounded slice at a time, evaluating each; True if anything."""
+        t0 = time.monotonic()
+        changed = False
+        while True:
+            new, caps = rw.poll(max_records=max(1, self.cfg.window // 2))
+            more = rw.behind
+            if new:
+                self._evaluate(rw, live=not more)
+            for cap in caps:
+                rw.captures_seen.add(cap.name)
+                parsed = parse_capture_name(cap.name)
+                if parsed is not None and parsed[2] == CRASH:
+                    self.notifier.crash_alert(rw, cap, parsed[0], parsed[1])
+            changed |= bool(new or caps)
+            if not more:
+                return changed
+            if time.monotonic() - t0 > CATCH_UP_SLICE_S:
+                self.dirty.add(rw.run_dir)  # come back right after the other runs had a turn
+                return changed
+
+    def _report_error(self, rw: RunWatch) -> None:
+        if rw.error and not self._young(rw.run_dir, rw):
+            if rw.error != rw.reported_error:
+                log.warning("run %s: %s (still watching the other runs)", rw.run_dir.name, rw.error)
+                rw.reported_error = rw.error
+        elif not rw.error and rw.reported_error:
+            log.info("run %s: readable again", rw.run_dir.name)
+            rw.reported_error = None
+
+    def _save(self, rw: RunWatch) -> None:
+        save_progress(self._progress_path(rw.run_dir), rw)
+        self._unsaved.discard(str(rw.run_dir))
+        self._saved[str(rw.run_dir)] = time.monotonic()
+
+    def _young(self, run_dir: Path, rw: RunWatch) -> bool:
+        """True for a run directory created moments ago whose run.json is not written yet."""
+        if rw.meta is not None:
+            return False
+        try:
+            return time.time() - run_dir.stat().st_mtime < RUN_JSON_GRACE_S
+        except OSError:
+            return False
+
+    def _idle_evaluations(self) -> None:
+        now = self.clock()
+        for rw in list(self.runs.values()):
+            if rw.meta is None or not rw.tails or len(rw.ended) >= len(rw.tails):
+                continue
+            if now - self._last_eval.get(str(rw.run_dir), 0.0) >= IDLE_EVAL_S:
+                self._evaluate(rw)
+
+    # ------------------------------------------------------------- alerting
+    def _evaluate(self, rw: RunWatch, live: bool = True) -> None:
+        """Evaluate the signatures over ``rw``'s windows and carry out the policy's decision;
+        ``live`` is False while catching up on old records (then ``stalled`` is not judged
+        against the current time)."""
+        from sentineld.signatures import evaluate  # noqa: PLC0415
+
+        now = self.clock()
+        self._last_eval[str(rw.run_dir)] = now
+        per_rank = {}
+        for rank, window in rw.records.items():
+            if not window:
+                continue
+            now_s = None if (rank in rw.ended or not live) else now
+            per_rank[rank] = evaluate(list(window), self._sig_config, now_s=now_s,
+                                      num_classes=rw.meta.num_classes if rw.meta else None)
+        if not per_rank:
+            return
+        d = decide(rw.active, per_rank, now_s=now, last_alert_s=rw.last_alert_s,
+                   held=[k for (run, k) in self._held if run == str(rw.run_dir)],
+                   multi_rank=rw.meta is not None and rw.meta.world_size > 1,
+                   alert_interval_s=self.cfg.alert_interval_s, rank_grace_s=RANK_GRACE_S)
+        rw.active = d.active
+        self._act(rw, d)
+
+    def _act(self, rw: RunWatch, d: Decision) -> None:
+        """Carry out a policy :class:`Decision` for ``rw``."""
+        run_key = str(rw.run_dir)
+        for a in d.suppressed:
+            self.stats.alerts_suppressed += 1
+            self.notifier.am_fire_quietly(rw, a)
+            log.info("run %s: %s fired again at step %d within %g s of its last alert: not "
+                     "notified (alert_interval_s)", rw.run_id, a.key, a.step, self.cfg.alert_interval_s)
+        for key, until in d.hold.items():
+            self._held[(run_key, key)] = until
+        for a in d.alert:
+            self._alert(rw, a)
+        for key in d.dropped_holds:
+            self._held.pop((run_key, key), None)
+        last = max(rw.last_step.values(), default=0)
+        for a in d.resolved_quietly:
+            self.notifier.am_resolve(rw, a)
+        for a in d.recovered:
+            self.notifier.recovery(rw, a, last)
+        if d.changed:
+            self._save(rw)
+            self._update_active_gauge(rw)
+
+    def _alert(self, rw: RunWatch, a: Active) -> None:
+        # Outbox first (fsynced), then the progress that says it was sent: a crash in between
+        # repeats the enqueue after the restart (same id: a no-op), never loses the alert.
+        self.notifier.alert(rw, a)
+        rw.last_alert_s[a.key] = self.clock()
+        if a.key in rw.active:
+            rw.active[a.key]["notified"] = True
+            self._save(rw)
+
+    def _release_held(self) -> None:
+        due = due_holds(self._held, self.clock())
+        for run_key, key in due:
+            del self._held[(run_key, key)]
+        for run_key in dict.fromkeys(run for run, _ in due):
+            rw = self.runs.get(run_key)
+            if rw is None:
+                continue
+            keys = [k for run, k in due if run == run_key and k in rw.active]
+            if keys:
+                self._process(rw.run_dir)  # read what the other ranks wrote meanwhile
+            for key in keys:
+                if key in rw.active:
+                    self._alert(rw, active_from_dict(rw.active[key]))
+
+    def _update_active_gauge(self, rw: RunWatch) -> None:
+        g = self._metrics.get("active")
+        if g is None:
+            return
+        for sig, sev in _all_signatures():
+            g.labels(rw.run_id, sig, sev).set(1 if any(
+                a["signature"] == sig for a in rw.active.values()) else 0)
+
+    def wake_delivery(self) -> None:
+        """Let the delivery thread try now."""
+        self.notifier.delivery_wake.set()
+
+    # --------------------------------------------------------------- replays
+    def _replay_record(self, rw: RunWatch, cap: Path) -> Path:
+        return self.replays_dir / f"{notification_id(rw.run_id, cap.name)}.json"
+
+    def _finish_replay(self, rw: RunWatch, cap: Path, outcome: ReplayOutcome, record: Path) -> None:
+        self.stats.replays_run += 1
+        if self._metrics:
+            self._metrics["replays"].labels(outcome.result).inc()
+        self.notifier.verdict(rw, cap, outcome)
+        write_json_atomic(record, {"capture": str(cap), "result": outcome.result,
+                                   "elapsed_s": outcome.elapsed_s, "exit_code": outcome.exit_code,
+                                   "reason": outcome.reason, "report": outcome.report})
+        log.info("run %s: replay %s -> %s in %.1f s", rw.run_id, cap.name, outcome.result, outcome.elapsed_s)
+
+    # --------------------------------------------------------------- status
+    def _write_status(self) -> None:
+        st = self.stats
+        status = {"pid": os.getpid(), "host": socket.gethostname(), "started_s": self.started_s,
+                  "updated_s": self.clock(), "runs_dir": str(self.cfg.runs_dir),
+                  "runs_watched": len(self.runs), "alerts_sent": st.alerts_sent,
+                  "delivery_failures": st.delivery_failures, "replays_run": st.replays_run,
+                  "alerts_pending": self.notifier.outbox.pending_count(), "metrics_port": self.metrics_port,
+                  "alerts_suppressed": st.alerts_suppressed, "resent_in_doubt": st.resent_in_doubt,
+                  "rings_recovered": st.rings_recovered, "notify": [d.shown for d in self.notifier.dests],
+                  "runs": [rw.status() for rw in self.runs.values()]}
+        if self._metrics:
+            self._metrics["runs"].set(len(self.runs))
+        write_status(self.state_dir, status)
+
+
+def _all_signatures() -> list[tuple[str, str]]:
+    from sentineld.signatures.base import SIGNATURES  # noqa: PLC0415
+
+    return list(SIGNATURES.items())

@@ -1,0 +1,122 @@
+"""All detector settings in one frozen dataclass, built from a plain mapping (daemon config file).
+
+Example::
+
+    cfg = SignatureConfig.from_mapping({
+        "stalled": {"threshold_s": 600},
+        "plateau": {"enabled": False},
+    })
+
+An unknown detector or key raises ValueError naming it, so a typo never silently keeps a default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from .activations import DeadReluConfig, SaturationConfig
+from .gradients import ExplodingConfig, MissingGradientsConfig, VanishingConfig, ZeroGradConfig
+from .liveness import StalledConfig
+from .loss import DivergenceGrowthConfig, DivergenceSpikeConfig, InitialLossConfig, OscillationConfig, PlateauConfig
+from .numerics import LossScaleConfig, NonfiniteConfig
+from .updates import NotAppliedConfig, UpdateRatioConfig
+
+__all__ = ["SignatureConfig"]
+
+
+@dataclass(frozen=True)
+class SignatureConfig:
+    """One config per detector, keyed by signature id (see each class for defaults and sources)."""
+
+    nonfinite: NonfiniteConfig = field(default_factory=NonfiniteConfig)
+    divergence_spike: DivergenceSpikeConfig = field(default_factory=DivergenceSpikeConfig)
+    divergence_growth: DivergenceGrowthConfig = field(default_factory=DivergenceGrowthConfig)
+    exploding_gradients: ExplodingConfig = field(default_factory=ExplodingConfig)
+    vanishing_gradients: VanishingConfig = field(default_factory=VanishingConfig)
+    dead_relu: DeadReluConfig = field(default_factory=DeadReluConfig)
+    saturated_activation: SaturationConfig = field(default_factory=SaturationConfig)
+    plateau: PlateauConfig = field(default_factory=PlateauConfig)
+    oscillation: OscillationConfig = field(default_factory=OscillationConfig)
+    gradients_not_applied: NotAppliedConfig = field(default_factory=NotAppliedConfig)
+    missing_gradients: MissingGradientsConfig = field(default_factory=MissingGradientsConfig)
+    forgotten_zero_grad: ZeroGradConfig = field(default_factory=ZeroGradConfig)
+    update_ratio: UpdateRatioConfig = field(default_factory=UpdateRatioConfig)
+    initial_loss: InitialLossConfig = field(default_factory=InitialLossConfig)
+    loss_scale_collapse: LossScaleConfig = field(default_factory=LossScaleConfig)
+    stalled: StalledConfig = field(default_factory=StalledConfig)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None) -> "SignatureConfig":
+        """Build from ``{signature_id: {key: value}}``; missing entries keep their defaults.
+
+        Args:
+            values: e.g. ``{"stalled": {"threshold_s": 600}}``; None or {} gives the defaults.
+
+        Returns:
+            The config.
+
+        Raises:
+            ValueError: an unknown signature id or key (named in the message), a value of the
+                wrong type, or a value the detector's config rejects.
+        """
+        if values is None:
+            return cls()
+        if not isinstance(values, Mapping):
+            raise ValueError(f"signature config must be a mapping, got {type(values).__name__}")
+        known = {f.name: f for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for name, sub in values.items():
+            if name not in known:
+                raise ValueError(f"unknown signature config key '{name}'; known: "
+                                 f"{', '.join(sorted(known))}")
+            sub_cls = _sub_cls(known[name])
+            if isinstance(sub, sub_cls):
+                kwargs[name] = sub
+                continue
+            if not isinstance(sub, Mapping):
+                raise ValueError(f"signature config {name!r} must be a mapping, got "
+                                 f"{type(sub).__name__}")
+            kwargs[name] = _build(sub_cls, name, sub)
+        return cls(**kwargs)
+
+
+def _sub_cls(f: Any) -> type:
+    return type(f.default_factory())
+
+
+def _build(sub_cls: type, name: str, values: Mapping[str, Any]) -> Any:
+    sub_fields = {f.name: f for f in fields(sub_cls)}
+    defaults = sub_cls()
+    kwargs = {}
+    for key, value in values.items():
+        if key not in sub_fields:
+            raise ValueError(f"unknown signature config key '{name}.{key}'; known: "
+                             f"{', '.join(sorted(sub_fields))}")
+        kwargs[key] = _coerce(f"{name}.{key}", str(sub_fields[key].type), getattr(defaults, key),
+                              value)
+    try:
+        return sub_cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"signature config {name}: {exc}") from None
+
+
+def _coerce(path: str, annotation: str, default: Any, value: Any) -> Any:
+    optional = "None" in annotation
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"signature config {path} must not be None")
+    if isinstance(default, bool) or annotation.startswith("bool"):
+        if not isinstance(value, bool):
+            raise ValueError(f"signature config {path} must be true/false, got {value!r}")
+        return value
+    if annotation.startswith("int"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"signature config {path} must be an integer, got {value!r}")
+        return value
+    if "float" in annotation:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"signature config {path} must be a number, got {value!r}")
+        return float(value)
+    return value

@@ -24,7 +24,10 @@ import click
 
 from sentineld.contracts.errors import EXIT_BAD_INPUT, EXIT_NOT_RUNNING, EXIT_OK
 from sentineld.daemon.daemon_config import ConfigError, default_state_dir, load_config
+from sentineld.preflight.command import preflight
+from sentineld.regress.command import regress
 from sentineld.replay.main import replay_options, run_replay
+from sentineld.report.command import report
 
 __all__ = ["main", "cli"]
 
@@ -210,22 +213,27 @@ def runs(runs_dir: str | None, as_json: bool) -> None:
 
     rd = Path(runs_dir) if runs_dir else load_config().runs_dir
     rows: list[dict[str, Any]] = []
-    for d in sorted(p for p in rd.iterdir() if p.is_dir()) if rd.is_dir() else []:
-        rw = RunWatch(d)
-        rw.poll()
-        while rw.behind:
+    for d in sorted(p for p in rd.iterdir() if p.is_dir() and not p.is_symlink()) if rd.is_dir() else []:
+        try:  # one damaged run is shown with its error; it never hides the others
+            rw = RunWatch(d)
             rw.poll()
-        try:
-            meta = read_run_meta(d)
-            err = None
-        except RunDirError as exc:
-            meta, err = None, str(exc)
-        nonfinite = sum(1 for q in rw.records.values() for r in q if r.nonfinite)
-        rows.append({"run_id": meta.run_id if meta else d.name, "dir": str(d), "ranks": sorted(rw.tails),
-                     "last_step": max(rw.last_step.values(), default=None),
-                     "state": ",".join(sorted(set(rw.ended.values()))) or ("running" if rw.tails else "-"),
-                     "nonfinite_steps_in_window": nonfinite,
-                     "captures": [p.name for *_x, p in list_captures(d)], "error": err or rw.error})
+            while rw.behind:
+                rw.poll()
+            try:
+                meta = read_run_meta(d)
+                err = None
+            except RunDirError as exc:
+                meta, err = None, str(exc)
+            nonfinite = sum(1 for q in rw.records.values() for r in q if r.nonfinite)
+            rows.append({"run_id": meta.run_id if meta else d.name, "dir": str(d), "ranks": sorted(rw.tails),
+                         "last_step": max(rw.last_step.values(), default=None),
+                         "state": ",".join(sorted(set(rw.ended.values()))) or ("running" if rw.tails else "-"),
+                         "nonfinite_steps_in_window": nonfinite,
+                         "captures": [p.name for *_x, p in list_captures(d)], "error": err or rw.error})
+        except Exception as exc:  # noqa: BLE001 - whatever another process left there
+            rows.append({"run_id": d.name, "dir": str(d), "ranks": [], "last_step": None, "state": "-",
+                         "nonfinite_steps_in_window": 0, "captures": [],
+                         "error": f"cannot read: {type(exc).__name__}: {str(exc)[:200]}"})
     if as_json:
         click.echo(json.dumps(rows, indent=1))
         return
@@ -312,12 +320,10 @@ def demo(fault: str, runs_dir: str | None, notify: tuple[str, ...], epochs: int,
     sys.exit(run_demo(fault, runs_dir, notify, epochs, timeout_s))
 
 
-from .report.command import report  # noqa: E402 - issue 12
-
-cli.add_command(report)
-from .regress.command import regress  # noqa: E402 - issue 12
-
-cli.add_command(regress)
+# ------------------------------------------ preflight, report, regress (issue 12)
+cli.add_command(preflight)  # defined in sentineld/preflight/command.py (imports torch only when run)
+cli.add_command(report)  # sentineld/report/command.py (matplotlib and torch only when run)
+cli.add_command(regress)  # sentineld/regress/command.py (torch only when run)
 
 
 def main() -> None:

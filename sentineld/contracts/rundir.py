@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sentineld.contracts.errors import BadInput
+from sentineld.contracts.safeio import MAX_RUN_JSON_BYTES, is_regular, read_regular
 
 __all__ = [
     "RUN_SCHEMA_VERSION",
@@ -82,6 +83,27 @@ class RunMeta:
     schema_version: int = RUN_SCHEMA_VERSION
 
 
+#: The JSON types each run.json field may have (bool is excluded where an int is meant).
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "run_id": (str,), "recipe": (str, type(None)), "recipe_args": (dict,), "python": (str,), "cwd": (str,),
+    "host": (str,), "pid": (int,), "rank": (int,), "world_size": (int,), "torch_version": (str,),
+    "num_threads": (int,), "num_classes": (int, type(None)), "started_s": (int, float), "extra": (dict,),
+    "schema_version": (int,),
+}
+
+
+def _wrong_types(meta: RunMeta) -> list[str]:
+    """``name (got type)`` for each field whose value is not of its declared JSON type."""
+    out = []
+    for name, types in _FIELD_TYPES.items():
+        v = getattr(meta, name)
+        if (isinstance(v, bool) and bool not in types) or not isinstance(v, types):
+            out.append(f"{name} ({type(v).__name__} {str(v)[:40]!r})")
+    if isinstance(meta.world_size, int) and not isinstance(meta.world_size, bool) and meta.world_size < 1:
+        out.append(f"world_size ({meta.world_size} < 1)")
+    return out
+
+
 def valid_run_id(run_id: str) -> bool:
     """True when ``run_id`` is a safe directory name."""
     return bool(_RUN_ID.match(run_id)) and run_id not in {".", ".."}
@@ -140,9 +162,11 @@ def read_run_meta(run_dir: str | os.PathLike[str]) -> RunMeta:
                               "sentineld.agent?")
         path = others[0]
     try:
-        obj = json.loads(path.read_text())
+        obj = json.loads(read_regular(path, MAX_RUN_JSON_BYTES))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RunDirError(f"{path}: unreadable run metadata ({exc})") from None
+    except RecursionError:
+        raise RunDirError(f"{path}: run metadata nested too deeply to be a run.json") from None
     if not isinstance(obj, dict):
         raise RunDirError(f"{path}: run metadata must be a JSON object")
     version = obj.get("schema_version")
@@ -157,6 +181,9 @@ def read_run_meta(run_dir: str | os.PathLike[str]) -> RunMeta:
         meta = RunMeta(**obj)
     except TypeError as exc:
         raise RunDirError(f"{path}: {exc}") from None
+    bad = _wrong_types(meta)
+    if bad:
+        raise RunDirError(f"{path}: fields of the wrong type: {', '.join(bad)}")
     if not isinstance(meta.run_id, str) or not valid_run_id(meta.run_id):
         raise RunDirError(f"{path}: run_id {meta.run_id!r} is not a valid run id")
     if meta.recipe is not None and (not isinstance(meta.recipe, str) or ":" not in meta.recipe):
@@ -263,7 +290,7 @@ class RunDir:
         out = []
         for p in self.path.iterdir():
             parsed = self.parse_capture_name(p.name)
-            if parsed:
+            if parsed and is_regular(p):  # a symlink or FIFO named like a capture is none
                 out.append((*parsed, p))
         return sorted(out, key=lambda t: (t[1], t[0]))
 

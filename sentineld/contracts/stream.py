@@ -23,6 +23,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from sentineld.contracts.safeio import open_regular
+
 __all__ = ["StreamWriter", "read_stream", "StreamTail", "read_lines", "CHUNK_BYTES", "MAX_LINE_BYTES"]
 
 log = logging.getLogger("sentineld.stream")
@@ -152,7 +154,7 @@ def read_lines(path: str | os.PathLike[str], offset: int = 0,
         OSError: the file cannot be opened or read.
     """
     out: list[tuple[dict[str, Any] | None, int]] = []
-    with open(path, "rb") as f:
+    with open_regular(path) as f:  # never a FIFO (blocks), a device (endless) or a symlink
         f.seek(offset)
         data = f.read() if max_bytes is None else f.read(max(1, max_bytes))
         end = data.rfind(b"\n")

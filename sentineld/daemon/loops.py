@@ -135,7 +135,7 @@ class ReplayThread(LoopThread):
             return
         for name in sorted(rw.captures_seen):
             cap = rw.run_dir / name
-            key = str(cap)
+            key = f"{rw.incident_scope}|{cap}"  # a new run reusing the path replays its own captures
             if key not in self.queued and cap.exists() and not self.record_of(rw, cap).exists():
                 self.queued.add(key)
                 self.jobs.put((rw, cap))
@@ -157,7 +157,7 @@ class ReplayThread(LoopThread):
             except OSError as exc:  # the interpreter vanished, no fds left, ...
                 outcome = ReplayOutcome("failed", None, f"cannot start the replay: {exc}", 0.0, None)
             if self.stop_event.is_set() and outcome.result in ("failed", "timeout"):
-                self.queued.discard(str(cap))
+                self.queued.discard(f"{rw.incident_scope}|{cap}")
                 return  # cut short by our own shutdown: it runs again after a restart
             self.finish(rw, cap, outcome, record)
 

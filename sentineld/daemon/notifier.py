@@ -46,20 +46,49 @@ class Notifier:
         self.am = alertmanager
         self.am_lock = threading.Lock()
         self.delivery_wake = threading.Event()
+        self.unwritten: list[Notification] = []  # could not be written to the outbox yet
+        self.write_error: str | None = None
 
     def enqueue(self, note: Notification) -> None:
-        """Put ``note`` in the outbox for every destination and wake the delivery thread."""
+        """Put ``note`` in the outbox for every destination and wake the delivery thread.
+
+        When the state dir cannot take it (disk full, read-only), ``note`` is held in memory and
+        written by :meth:`retry_unwritten` (called every main-loop turn) once it can be; the
+        daemon keeps running and ``status`` shows how many wait (``alerts_unwritten``).
+        """
         note.targets = {LOG_TARGET: "pending", **{d.key: "pending" for d in self.dests}}
         note.created_s = self.clock()
-        if self.outbox.add(note):
+        self._write(note)
+
+    def _write(self, note: Notification) -> None:
+        try:
+            added = self.outbox.add(note)
+        except OSError as exc:
+            if all(n.id != note.id for n in self.unwritten):
+                self.unwritten.append(note)
+                log.error("cannot write notification %s to the state dir (%s); holding it in memory "
+                          "and retrying", note.id, exc)
+            self.write_error = str(exc)
+            return
+        self.unwritten = [n for n in self.unwritten if n.id != note.id]
+        if not self.unwritten:
+            self.write_error = None
+        if added:
             self.delivery_wake.set()
+
+    def retry_unwritten(self) -> None:
+        """Write the notifications held in memory since a failed write, oldest first."""
+        for note in list(self.unwritten):
+            self._write(note)
+            if note in self.unwritten:
+                return  # still failing: try again next turn
 
     def alert(self, rw: RunWatch, a: Active) -> None:
         """Notify that ``a`` fires in ``rw`` (outbox and Alertmanager)."""
         host = rw.meta.host if rw.meta else ""
         title, body = alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step, a.message,
                                  a.numbers, a.fix, a.module, host)
-        nid = notification_id(rw.run_id, a.signature, a.module or "", a.step)
+        nid = notification_id(rw.incident_scope, a.signature, a.module or "", a.step)
         self.enqueue(Notification(id=nid, kind="alert", title=title, body=body, severity=a.severity,
                                   run=rw.run_id, signature=a.signature, step=a.step,
                                   data={"ranks": a.ranks, "numbers": a.numbers, "module": a.module}))
@@ -83,7 +112,7 @@ class Notifier:
         body = (f"The training process of run {rw.run_id} (rank {rank}) ended abnormally after step "
                 f"{step}: {reason}\nIts last steps are in {cap.name}; the step that raised was never "
                 f"completed, so replay the recorded ones: sentineld replay {rw.run_dir} --step {step}\n")
-        self.enqueue(Notification(id=notification_id(rw.run_id, "crashed", cap.name), kind="alert",
+        self.enqueue(Notification(id=notification_id(rw.incident_scope, "crashed", cap.name), kind="alert",
                                   title=title, body=body, severity="critical", run=rw.run_id,
                                   signature="crashed", step=step, data={"rank": rank, "reason": reason}))
         log.info("run %s: crashed after step %d (rank %d): %s", rw.run_id, step, rank, reason)
@@ -91,14 +120,14 @@ class Notifier:
     def recovery(self, rw: RunWatch, a: Active, step: int) -> None:
         """Notify that ``a`` no longer fires as of ``step``; resolve it in Alertmanager."""
         title, body = recovery_text(rw.run_id, a.signature, step, a.module)
-        nid = notification_id(rw.run_id, a.signature, a.module or "", a.step, "recovered")
+        nid = notification_id(rw.incident_scope, a.signature, a.module or "", a.step, "recovered")
         self.enqueue(Notification(id=nid, kind="recovery", title=title, body=body, severity="info",
                                   run=rw.run_id, signature=a.signature, step=step))
         self.am_resolve(rw, a)
 
     def verdict(self, rw: RunWatch, cap: Path, outcome: ReplayOutcome) -> None:
         """Notify the replay's verdict on ``cap`` (or why it gave none)."""
-        nid = notification_id(rw.run_id, "replay", cap.name)
+        nid = notification_id(rw.incident_scope, "replay", cap.name)
         if outcome.report is not None:
             title, body = notification_text(outcome.report)
             sev = "critical" if outcome.report.get("phase") not in (None, "none") else "warning"

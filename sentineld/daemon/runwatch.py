@@ -73,6 +73,9 @@ class RunWatch:
     bad_lines: int = 0
     last_alert_s: dict[str, float] = field(default_factory=dict)
     reported_error: str | None = None
+    meta_error: str | None = None
+    replaced: bool = False
+    _meta_key: tuple[int, int, int] | None = None
     _buf: dict[int, deque[tuple[dict[str, Any] | None, int]]] = field(default_factory=dict)
     _consumed: dict[int, int] = field(default_factory=dict)
     _starts: dict[int, deque[int]] = field(default_factory=dict)
@@ -81,6 +84,14 @@ class RunWatch:
     @property
     def run_id(self) -> str:
         return self.meta.run_id if self.meta else self.run_dir.name
+
+    @property
+    def incident_scope(self) -> str:
+        """What notification and replay ids are made of: the run id plus when the run started, so
+        a new run reusing the id of a deleted or moved one gets its own notifications."""
+        if self.meta is not None and self.meta.started_s:
+            return f"{self.run_id}@{self.meta.started_s!r}"
+        return self.run_id
 
     @property
     def behind(self) -> bool:
@@ -108,13 +119,14 @@ class RunWatch:
         """
         new: dict[int, list[StepRecord]] = {}
         try:
-            if self.meta is None:
-                self.meta = read_run_meta(self.run_dir)
             names = os.listdir(self.run_dir)
-        except (RunDirError, OSError) as exc:
+        except OSError as exc:
             self.error = str(exc)
             return new, []
         self.error = None
+        self._read_meta()
+        if self.replaced:
+            return new, []  # another run now: the daemon starts a fresh watch of it
         for name in names:
             rank = RunDir.stream_rank(name)
             if rank is not None and rank not in self.tails:
@@ -166,6 +178,30 @@ class RunWatch:
             self.error = str(exc)
         return new, caps
 
+    def _read_meta(self) -> None:
+        """(Re)read ``run.json`` when it changed. A damaged one is an ``error`` (shown in status),
+        not a reason to stop reading the streams: their NaN is still alerted. A ``run.json`` of
+        another run (other ``started_s``: the directory was deleted or moved and a run with the
+        same id took its place) sets ``replaced``; the daemon then watches it as a new run."""
+        path = self.run_dir / RunDir.RUN_JSON
+        try:
+            st = os.lstat(path)
+            key: tuple[int, int, int] | None = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            key = None
+        if key == self._meta_key and self.meta is not None:
+            return
+        try:
+            meta = read_run_meta(self.run_dir)
+        except RunDirError as exc:
+            self.meta_error = str(exc)
+            self._meta_key = key
+            return
+        self._meta_key, self.meta_error = key, None
+        if self.meta is not None and meta.started_s != self.meta.started_s:
+            self.replaced = True
+        self.meta = meta
+
     def _read_tail(self, rank: int, tail: StreamTail) -> list[tuple[dict[str, Any] | None, int]]:
         try:
             size = tail.path.stat().st_size
@@ -190,7 +226,7 @@ class RunWatch:
                 "last_step": max(self.last_step.values(), default=None),
                 "ended": {str(k): v for k, v in self.ended.items()},
                 "active": sorted(self.active), "captures": len(self.captures_seen),
-                "error": self.error, "bad_lines": self.bad_lines,
+                "error": self.error or self.meta_error, "bad_lines": self.bad_lines,
                 "agent_warnings": self.agent_errors[-3:]}
 
     # ---------------------------------------------------------- persistence
@@ -208,7 +244,8 @@ class RunWatch:
                 "active": self.active, "captures_seen": sorted(self.captures_seen),
                 "last_step": {str(r): s for r, s in self.last_step.items()},
                 "ended": {str(r): v for r, v in self.ended.items()},
-                "last_alert_s": self.last_alert_s}
+                "last_alert_s": self.last_alert_s,
+                "started_s": self.meta.started_s if self.meta else None}
 
     def restore(self, saved: dict[str, Any]) -> None:
         """Resume from :meth:`progress` output (offsets past records already evaluated)."""

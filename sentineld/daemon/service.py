@@ -36,7 +36,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
 
-from sentineld.contracts.rundir import make_private_dir, parse_capture_name
+from sentineld.contracts.rundir import RunDirError, make_private_dir, parse_capture_name, read_run_meta
 from sentineld.contracts.triggers import CRASH
 from sentineld.daemon.daemon_config import DaemonConfig
 from sentineld.daemon.delivery import SecretFilter, destinations, url_secrets
@@ -113,6 +113,7 @@ class Daemon:
         self._last_eval: dict[str, float] = {}
         self._sig_config = self._signature_config()
         self._held: dict[tuple[str, str], float] = {}
+        self._run_failures: dict[str, str] = {}  # run dir -> last error logged for it
 
     @property
     def wake(self) -> threading.Event:
@@ -205,8 +206,9 @@ class Daemon:
             if full:
                 last_scan = now
                 dirty |= self._scan_runs_dir()
+            self.notifier.retry_unwritten()
             for run_dir in sorted(dirty):
-                self._process(run_dir)
+                self._process_isolated(run_dir)
             self._release_held()
             if full:
                 self._idle_evaluations()
@@ -227,6 +229,9 @@ class Daemon:
         if rw is None:
             rw = RunWatch(run_dir, window=self.cfg.window)
             saved = load_progress(self._progress_path(run_dir))
+            if saved and not _same_run(run_dir, saved):
+                log.info("run dir %s holds a new run since the last daemon; watching it from the start", run_dir)
+                saved = None
             if saved:
                 rw.restore(saved)
                 for k, act in rw.active.items():
@@ -237,8 +242,33 @@ class Daemon:
             self.runs[key] = rw
         return rw
 
+    def _forget(self, key: str) -> None:
+        """Drop what is known of the run at path ``key`` (a new run replaced it)."""
+        self.runs.pop(key, None)
+        self._unsaved.discard(key)
+        self._saved.pop(key, None)
+        self._rings_checked.pop(key, None)
+        for held in [h for h in self._held if h[0] == key]:
+            del self._held[held]
+        self._progress_path(Path(key)).unlink(missing_ok=True)
+
     def _progress_path(self, run_dir: Path) -> Path:
         return self.progress_dir / f"{notification_id(str(run_dir))}.json"
+
+    def _process_isolated(self, run_dir: Path) -> None:
+        """:meth:`_process` one run; whatever goes wrong there stays with that run (its status
+        shows it) and the loop goes on to the others."""
+        try:
+            self._process(run_dir)
+        except Exception as exc:  # noqa: BLE001 - a run dir another process wrote can hold anything
+            why = f"{type(exc).__name__}: {str(exc)[:300]}"
+            rw = self.runs.get(str(run_dir))
+            if rw is not None:
+                rw.error = f"cannot process this run: {why}"
+            if self._run_failures.get(str(run_dir)) != why:
+                self._run_failures[str(run_dir)] = why
+                log.warning("run %s: %s (still watching the other runs)", run_dir.name, why,
+                            exc_info=not isinstance(exc, (OSError, RecursionError, ValueError)))
 
     def _process(self, run_dir: Path) -> None:
         try:
@@ -248,6 +278,11 @@ class Daemon:
             return
         rw = self._watch(run_dir)
         changed = self._read_run(rw)
+        if rw.replaced:  # the directory was deleted or moved and a new run took its path
+            log.info("run dir %s holds a new run; watching it from the start", run_dir)
+            self._forget(str(run_dir))
+            rw = self._watch(run_dir)
+            changed = self._read_run(rw) or True
         self._report_error(rw)
         now = time.monotonic()
         if now - self._rings_checked.get(str(run_dir), 0.0) >= self.cfg.poll_s:
@@ -291,7 +326,11 @@ class Daemon:
             rw.reported_error = None
 
     def _save(self, rw: RunWatch) -> None:
-        save_progress(self._progress_path(rw.run_dir), rw)
+        try:
+            save_progress(self._progress_path(rw.run_dir), rw)
+        except OSError as exc:  # disk full: kept in memory, saved on a later turn
+            self.notifier.write_error = f"progress of {rw.run_dir.name}: {exc}"
+            return
         self._unsaved.discard(str(rw.run_dir))
         self._saved[str(rw.run_dir)] = time.monotonic()
 
@@ -398,7 +437,7 @@ class Daemon:
 
     # --------------------------------------------------------------- replays
     def _replay_record(self, rw: RunWatch, cap: Path) -> Path:
-        return self.replays_dir / f"{notification_id(rw.run_id, cap.name)}.json"
+        return self.replays_dir / f"{notification_id(rw.incident_scope, cap.name)}.json"
 
     def _finish_replay(self, rw: RunWatch, cap: Path, outcome: ReplayOutcome, record: Path) -> None:
         self.stats.replays_run += 1
@@ -420,10 +459,28 @@ class Daemon:
                   "alerts_pending": self.notifier.outbox.pending_count(), "metrics_port": self.metrics_port,
                   "alerts_suppressed": st.alerts_suppressed, "resent_in_doubt": st.resent_in_doubt,
                   "rings_recovered": st.rings_recovered, "notify": [d.shown for d in self.notifier.dests],
+                  "alerts_unwritten": len(self.notifier.unwritten), "state_write_error": self.notifier.write_error,
                   "runs": [rw.status() for rw in self.runs.values()]}
         if self._metrics:
             self._metrics["runs"].set(len(self.runs))
-        write_status(self.state_dir, status)
+        try:
+            write_status(self.state_dir, status)
+        except OSError as exc:  # disk full: the loop goes on; status is written once there is room
+            if self.notifier.write_error is None:
+                log.error("cannot write status.json: %s", exc)
+            self.notifier.write_error = f"status.json: {exc}"
+
+
+def _same_run(run_dir: Path, saved: dict[str, Any]) -> bool:
+    """False when saved progress belongs to another run than the one now in ``run_dir`` (its
+    ``started_s`` differs); True when it matches or cannot be told (older progress, bad run.json)."""
+    started = saved.get("started_s")
+    if not isinstance(started, (int, float)):
+        return True
+    try:
+        return read_run_meta(run_dir).started_s == started
+    except RunDirError:
+        return True
 
 
 def _all_signatures() -> list[tuple[str, str]]:

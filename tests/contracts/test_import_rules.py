@@ -26,6 +26,11 @@ RULES = {
     # The signatures are pure: records in, verdicts out.
     "sentineld.signatures": ["sentineld.daemon", "sentineld.cli", "sentineld.agent", "sentineld.replay",
                              "torch", "apprise", "watchdog"],
+    # Preflight runs in the user's shell on their recipe: no daemon, agent, apprise or watchdog
+    # (the CLI imports it, not the other way round). replay.trust is what it imports the recipe with.
+    **{m: ["sentineld.daemon", "sentineld.cli", "sentineld.agent", "apprise", "watchdog"]
+       for m in ("sentineld.preflight", "sentineld.preflight.command", "sentineld.preflight.runner",
+                 "sentineld.replay.trust")},
     # The daemon never imports the agent or the replay (it spawns the replay).
     "sentineld.daemon.service": ["sentineld.agent", "sentineld.replay", "sentineld.cli", "torch"],
 }

@@ -1,0 +1,149 @@
+"""Running every preflight check in the method's priority order, on copies, RNG untouched."""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from itertools import islice
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .context import Probe, StepFn, copy_pair, default_step, rng_guard, slice_batch, split_batch
+from .data_checks import check_inputs, check_labels
+from .grad_checks import check_gradcheck, check_gradient_flow, check_gradients_applied
+from .loss_checks import check_initial_loss, check_output_vs_loss, check_shapes
+from .lossinfo import loss_info
+from .result import FAIL, Check
+from .trace import trace_forward
+from .training import check_lr_range, check_overfit
+from .units import check_dead_units
+
+__all__ = ["check", "check_recipe"]
+
+#: Rule #1's batch: "take 5-50 samples (typically one batch)"; 32 as in the method's example.
+OVERFIT_SAMPLES = 32
+
+
+def _safe(name: str, fn: Callable[[], Check]) -> Check:
+    """Run one check; an exception from the user's code (or ours) is a FAIL with its traceback."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - the user's loss_fn/model can raise anything
+        tb = traceback.format_exception(exc)
+        return Check(name, FAIL, f"the check could not run: {type(exc).__name__}: {exc}",
+                     {"traceback": "".join(tb[-3:])[-2000:]},
+                     "fix the error first: it happens in one forward/backward/step of your code")
+
+
+def _take(batches: Iterable[Any], n: int) -> list[Any]:
+    if isinstance(batches, (torch.Tensor, dict)):
+        raise TypeError("batches must be an iterable of batches (a DataLoader, a list); "
+                        "wrap a single batch as [batch]")
+    try:
+        taken = list(islice(iter(batches), n))
+    except TypeError:
+        raise TypeError(f"batches must be an iterable of batches, got {type(batches).__name__}") from None
+    if not taken:
+        raise ValueError("batches yielded no batch: preflight needs at least one")
+    return taken
+
+
+def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], batches: Iterable[Any],
+          num_classes: int | None = None, *, step: StepFn | None = None,
+          split: Callable[[Any], tuple[Any, Any]] | None = None, max_batches: int = 8,
+          overfit_samples: int = OVERFIT_SAMPLES, overfit_steps: int = 300, lr_range: bool = False,
+          lr_plot: str | Path | None = None) -> list[Check]:
+    """Run the preflight checks on copies of ``model`` and ``optimizer``.
+
+    The user's model, optimizer (and their gradients) and the torch / numpy / python RNG states
+    are unchanged afterwards; up to ``max_batches`` batches are drawn from ``batches``.
+
+    Args:
+        model: the module to train.
+        optimizer: the optimizer over its parameters (its class and hyper-parameters are used).
+        loss_fn: ``(model, batch) -> loss`` (scalar tensor), as for ``attach(loss_fn=)``.
+        batches: an iterable of training batches (a DataLoader, a list).
+        num_classes: C of a C-class cross-entropy; default: read off the traced loss.
+        step: ``(model, optimizer, batch) -> loss`` doing one optimizer step; default zero_grad,
+            forward + loss, backward, optimizer.step().
+        split: ``batch -> (inputs, labels)``; default guesses tuples and dicts.
+        max_batches: batches drawn for the label/input statistics and the LR sweep.
+        overfit_samples: Rule #1's batch size (the first batch is cut to it).
+        overfit_steps: Rule #1's step budget.
+        lr_range: also run the LR range test (check 11) and save its plot to ``lr_plot``.
+
+    Returns:
+        The checks in the method's priority order: labels, inputs, output_vs_loss, initial_loss,
+        gradient_flow, gradients_applied, shapes, gradcheck, dead_units, overfit_one_batch,
+        [lr_range].
+
+    Raises:
+        TypeError, ValueError: ``batches`` is not an iterable of at least one batch, or the model
+            and optimizer cannot be deep-copied.
+    """
+    with rng_guard():
+        torch.manual_seed(0)  # dropout masks, inits in loss_fn: the same verdicts on every run
+        _copyable(model, optimizer)
+        taken = _take(batches, max_batches)
+        probe = Probe(model, optimizer, loss_fn, step or default_step(loss_fn), taken,
+                      slice_batch(taken[0], overfit_samples), num_classes, split or split_batch)
+        model_copy, _ = probe.fresh()
+        partial = trace_forward(model_copy, probe.loss_fn, probe.batch)
+        info = loss_info(partial)  # read even off a trace that raised: the labels check needs it
+        trace = partial.error if partial.error is not None else partial
+        if probe.num_classes is None:
+            probe.num_classes = info.num_classes
+        checks = [_safe("labels", lambda: check_labels(probe, info)),
+                  _safe("inputs", lambda: check_inputs(probe)),
+                  _safe("output_vs_loss", lambda: check_output_vs_loss(_need(trace))),
+                  _safe("initial_loss", lambda: check_initial_loss(_need(trace), info, probe.num_classes)),
+                  _safe("gradient_flow", lambda: check_gradient_flow(probe)),
+                  _safe("gradients_applied", lambda: check_gradients_applied(probe)),
+                  _safe("shapes", lambda: check_shapes(_need(trace))),
+                  _safe("gradcheck", lambda: check_gradcheck(_need(trace))),
+                  _safe("dead_units", lambda: check_dead_units(_need(trace))),
+                  _safe("overfit_one_batch", lambda: check_overfit(probe, overfit_steps))]
+        if lr_range:
+            checks.append(_safe("lr_range", lambda: check_lr_range(probe, lr_plot)))
+    return _point_overfit_at_failures(checks)
+
+
+def _point_overfit_at_failures(checks: list[Check]) -> list[Check]:
+    """A failed Rule #1 names the earlier checks that failed: the checklist says look there first."""
+    names = [c.name for c in checks if c.status == FAIL and c.name not in ("overfit_one_batch", "lr_range")]
+    out = []
+    for c in checks:
+        if c.name == "overfit_one_batch" and c.status != "PASS" and names:
+            c = dataclasses.replace(c, evidence=c.evidence | {"look_first_at": names},
+                                    fix=f"first fix the failed checks above ({', '.join(names)}); " + c.fix)
+        out.append(c)
+    return out
+
+
+def _copyable(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    try:
+        copy_pair(model, optimizer)
+    except Exception as exc:  # noqa: BLE001 - whatever the user's objects hold
+        raise ValueError(f"preflight works on a copy, and copy.deepcopy of the model and optimizer failed "
+                         f"({type(exc).__name__}: {exc}); keep locks, files and threads out of the model") from None
+
+
+def _need(value: Any) -> Any:
+    if isinstance(value, BaseException):
+        raise value
+    return value
+
+
+def check_recipe(recipe: Any, batches: Iterable[Any], **kwargs: Any) -> list[Check]:
+    """:func:`check` for a :class:`sentineld.contracts.recipe.Recipe`: its step is ``train_step`` (clipping,
+    autocast, its ``zero_grad`` flag) on the copies; scheduler and accumulation are left out."""
+    from sentineld.contracts.recipe import train_step  # noqa: PLC0415
+
+    def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        return train_step(dataclasses.replace(recipe, model=model, optimizer=optimizer, scheduler=None,
+                                              scaler=None, accumulation_steps=1), batch)
+    kwargs.setdefault("num_classes", recipe.num_classes)
+    return check(recipe.model, recipe.optimizer, recipe.loss_fn, batches, step=step, **kwargs)

@@ -27,6 +27,12 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: A
         scheduler, scaler: the LR scheduler and GradScaler, so snapshots include their state.
         num_classes: C of a C-class loss (enables the ln(C) initial-loss check).
         accumulation_steps: micro-batches per optimizer step (>1 disables the carried-grads check).
+        loss_fn: ``(model, batch) -> scalar loss`` as the loop computes it: the training process
+            then localizes its own incidents (see :mod:`sentineld.agent.localize_live`), no recipe
+            needed. Without it and without a recipe, forward NaNs are still localized.
+        localize: ``"thread"`` (default: in a background thread after the capture; memory: a
+            second copy of model + optimizer state while it runs, logged at attach) or ``"off"``.
+        clip_grad_norm: the max norm the loop clips gradients to, for the in-process replay.
         config: :class:`AgentConfig`, or pass its fields as keywords (e.g. ``metrics_port=0``).
 
     Raises:

@@ -1,6 +1,8 @@
 """The capture writer: a capture (snapshot S, steps S..N, their records) is written to HDF5 on
 its own thread, so the training thread only hands over references to host copies it already
-made. A failure (disk full, ...) is logged and put in the stream; training goes on.
+made. A failure (disk full, ...) is logged and put in the stream; training goes on. With an
+in-process localizer (:mod:`.localize_live`) the capture holds its recorded forward calls, and the
+same thread localizes the capture once written.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from sentineld.contracts.stream import StreamWriter
 from sentineld.contracts.triggers import CRASH
 
 from .exporter import Latest
+from .localize_live import LiveLocalizer
 from .ring import RingEntry, Snapshot
 
 __all__ = ["CaptureWriter"]
@@ -35,9 +38,9 @@ class CaptureWriter:
     """
 
     def __init__(self, run_dir: Path, run_id: str, rank: int, device: torch.device,
-                 stream: StreamWriter, latest: Latest) -> None:
+                 stream: StreamWriter, latest: Latest, localizer: LiveLocalizer | None = None) -> None:
         self.run_dir, self.run_id, self.rank, self.device = run_dir, run_id, rank, device
-        self.stream, self.latest = stream, latest
+        self.stream, self.latest, self.localizer = stream, latest, localizer
         self.captures: list[Path] = []
         self.crash_captured = False
         self._threads: list[threading.Thread] = []
@@ -67,7 +70,7 @@ class CaptureWriter:
                 snapshot_step=snap.step, snapshot=snap.state,
                 steps=[CaptureStep(e.step, e.batch, e.rng) for e in entries],
                 records=[e.record for e in entries if e.record is not None], grads=grads,
-                message=message)
+                message=message, forward_calls=self.localizer.calls_for(entries) if self.localizer else None)
         except Exception as exc:  # noqa: BLE001 - disk full etc.: training goes on
             log.warning("sentineld: capture %s not written: %s (training continues)", path.name, exc)
             self.stream.put({"kind": "agent_warning", "step": step,
@@ -76,3 +79,5 @@ class CaptureWriter:
         self.captures.append(path)
         self.crash_captured |= trigger == CRASH
         self.latest.captures_total += 1
+        if self.localizer is not None:
+            self.localizer.after_capture(path, trigger, step, snap, entries)

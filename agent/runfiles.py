@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from sentineld.contracts.rundir import RunMeta, make_private_dir, stream_path, write_run_meta
+from sentineld.contracts.rundir import RunDirError, RunMeta, make_private_dir, stream_path, write_run_meta
 from sentineld.contracts.stream import StreamWriter
 
 from .runinfo import torch_flags, unused_run_id
@@ -36,9 +36,11 @@ class RunFiles:
 
 def open_run_files(parent: Path, run_id: str, rank: int, world: int, *, recipe: str | None,
                    recipe_args: dict[str, Any], num_classes: int | None, flush_s: float,
-                   wall_clock: Callable[[], float]) -> RunFiles:
+                   wall_clock: Callable[[], float], extra: dict[str, Any] | None = None) -> RunFiles:
     """Create ``parent/<run id>/`` with ``run.json`` and open this rank's stream, writing its
     ``start`` record; a run id this rank already used gets a ``.2``, ``.3``... suffix.
+
+    ``extra`` goes into run.json's ``extra`` next to ``torch_flags`` (JSON values).
 
     Never raises for an unwritable directory: logs one error naming the fix and returns
     ``ok=False``.
@@ -50,9 +52,9 @@ def open_run_files(parent: Path, run_id: str, rank: int, world: int, *, recipe: 
         write_run_meta(run_dir, RunMeta(
             run_id=run_id, recipe=recipe, recipe_args=recipe_args, rank=rank,
             world_size=world, torch_version=str(torch.__version__), num_threads=torch.get_num_threads(),
-            num_classes=num_classes, started_s=wall_clock(), extra={"torch_flags": torch_flags()}))
+            num_classes=num_classes, started_s=wall_clock(), extra={"torch_flags": torch_flags(), **(extra or {})}))
         stream = StreamWriter(stream_path(run_dir, rank), flush_s)
-    except OSError as exc:
+    except (OSError, RunDirError) as exc:
         # Monitoring must not stop the training it watches: run on, switched off.
         log.error("sentineld: cannot write run directory %s (%s); the agent is off, training "
                   "continues. Pass runs_dir= or set SENTINELD_RUNS_DIR to a writable directory",

@@ -55,6 +55,7 @@ from .diskring import DiskRingWriter
 from .exits import EXITS
 from .exporter import Latest, start_exporter
 from .incidents import IncidentPolicy
+from .localize_live import make_localizer
 from .readback import Readback, grad_norm
 from .ring import Ring, RingEntry, Snapshot, to_host, tree_nbytes
 from .runfiles import open_run_files
@@ -90,6 +91,9 @@ class Watch:
         scaler: Any = None,
         num_classes: int | None = None,
         accumulation_steps: int = 1,
+        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+        localize: str = "thread",
+        clip_grad_norm: float | None = None,
         config: AgentConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
         wall_clock: Callable[[], float] = time.time,
@@ -103,11 +107,17 @@ class Watch:
         self.rank, world, local_rank = dist_rank()
         self._clock, self._wall = clock, wall_clock
         self._accumulating = accumulation_steps > 1
+        self._live = make_localizer(localize, self._inner, optimizer, loss_fn, recipe, self.config.window,
+                                    run_id, scheduler=scheduler, scaler=scaler, num_classes=num_classes,
+                                    accumulation_steps=accumulation_steps, clip_grad_norm=clip_grad_norm,
+                                    max_bytes=self.config.ring_bytes)
         files = open_run_files(Path(runs_dir or default_runs_dir()), run_id, self.rank, world,
                                recipe=recipe, recipe_args=dict(recipe_args or {}),
                                num_classes=num_classes, flush_s=self.config.flush_s,
-                               wall_clock=wall_clock)
+                               wall_clock=wall_clock, extra=self._run_extra(localize))
         self.run_id, self.run_dir, self.stream, self.enabled = files.run_id, files.run_dir, files.stream, files.ok
+        if self._live is not None:
+            self._live.run_id = self.run_id
         self.latest = Latest()
         self._server, self.metrics_port = self._start_exporter(local_rank)
         self._ring = Ring(self.config.window, self.config.ring_bytes)
@@ -120,7 +130,7 @@ class Watch:
         self._disk = self._start_disk_ring()
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._writer = CaptureWriter(self.run_dir, self.run_id, self.rank, self._device, self.stream,
-                                     self.latest)
+                                     self.latest, localizer=self._live)
         self._schedule = SnapshotSchedule(self.config)
         self._incidents = IncidentPolicy(self.config.rearm_steps, self.config.post_steps)
         self._readback = Readback()
@@ -134,6 +144,13 @@ class Watch:
         self._pre_hook_ran = False
         self._install_hooks()
         EXITS.register(self)
+
+    def _run_extra(self, localize: str) -> dict[str, Any]:
+        """run.json's in-process localization fields (read by the daemon and the forward-only replay)."""
+        live = self._live
+        return {"localize": localize if live else "off",
+                "localize_memory_bytes": live.memory_bytes if live else 0,
+                "model_class": f"{type(self._inner).__module__}:{type(self._inner).__qualname__}"}
 
     def _start_exporter(self, local_rank: int) -> tuple[Any, int | None]:
         if self.config.metrics_port == 0 or not self.enabled:
@@ -164,7 +181,7 @@ class Watch:
         self._probe_param = min((p for p in model.parameters() if p.requires_grad and id(p) in opt_params),
                                 key=lambda p: p.numel(), default=None)
         self._hooks = [
-            model.register_forward_pre_hook(self._on_forward),
+            model.register_forward_pre_hook(self._on_forward, with_kwargs=True),
             optimizer.register_step_pre_hook(self._on_optimizer_step),
         ]
         if self._probe_param is not None and not self._accumulating:
@@ -188,22 +205,29 @@ class Watch:
         return self._schedule.every
 
     # ----------------------------------------------------------------- hooks
-    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+    def _on_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if module.training and torch.is_grad_enabled():
-            self.begin_step()
+            self._begin(args, kwargs)
 
     def begin_step(self) -> None:
         """Mark the start of a training step: take a due snapshot and read the RNG states.
 
-        The model's forward pre-hook calls this at the first training forward of a step. A
+        The model's forward pre-hook does this at the first training forward of a step. A
         framework callback calls it where its step starts when the framework never calls the
         model itself (Lightning's ``training_step``): at the first micro-batch of each optimizer
         step, before its forward. Later calls in the same step do nothing. Never raises.
         """
+        self._begin(None, None)
+
+    def _begin(self, args: Any, kwargs: Any) -> None:
         if not self.enabled or self._step_started:
             return
         try:
             self._step_started = True
+            # A step begun by a framework has no forward arguments to keep for forward-only
+            # localization; that step's forward call is then simply not recorded.
+            if self._live is not None and (args is not None or not self._live.forward_only):
+                self._live.on_forward(self._n, args or (), kwargs or {}, self._schedule.due)
             if self._schedule.due:
                 self._take_snapshot(self._n)
             self._rng = capture_rng()
@@ -231,7 +255,7 @@ class Watch:
     def grads_ready(self) -> None:
         """Take this step's global grad norm now: the gradients are complete, not yet clipped.
 
-        The optimizer's step pre-hook calls this. A framework that runs forward and backward
+        The optimizer's step pre-hook does this. A framework that runs forward and backward
         inside ``optimizer.step(closure)`` (Lightning) runs that pre-hook before the closure, on
         the previous step's gradients; its callback calls this again once the closure is done
         (``on_before_optimizer_step``), and the later value is the one recorded. Never raises.
@@ -251,7 +275,7 @@ class Watch:
         snapshots and captures use the trainer's step numbers.
 
         Raises:
-            ValueError: ``step`` is negative, or steps were already recorded.
+            ValueError: ``step`` is negative, or a step already started.
         """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
@@ -374,7 +398,10 @@ class Watch:
 
     def _capture(self, trigger: str, step: int, grads: dict[str, torch.Tensor] | None,
                  message: str, last: int | None = None) -> None:
-        span = self._ring.span(step if last is None else last, before=step)
+        end = step if last is None else last
+        # A snapshot taken at step N holds the state step N-1 made: when N-1's optimizer step
+        # broke the parameters (seen only in N's loss) it is already corrupt, so prefer the one before.
+        span = (self._ring.span(end, before=step - 1) if step > 0 else None) or self._ring.span(end, before=step)
         if span is None:
             log.warning("sentineld: step %d is not in the ring buffer (window %d); no capture",
                         step, self.config.window)

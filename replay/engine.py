@@ -32,7 +32,7 @@ from .localize import localize
 from .rebuild import RebuildError, Rebuilt, load_snapshot, rebuild, torch_globals
 from .trust import RecipeError, UntrustedError, load_recipe_factory
 
-__all__ = ["ReplayError", "replay_run", "find_capture"]
+__all__ = ["ReplayError", "replay_run", "replay_capture", "find_capture"]
 
 log = logging.getLogger("sentineld.replay")
 
@@ -134,6 +134,40 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
     t0 = time.perf_counter()
     meta = read_run_meta(run_dir)
     cap_path = Path(capture) if capture else find_capture(run_dir, step, rank)
+    named_by = [p for p in (run_dir / RunDir.RUN_JSON, cap_path) if p.exists()]
+    if not (spec or meta.recipe):  # a run with neither recipe nor loss_fn: forward-only
+        from .forward_replay import replay_forward_only  # noqa: PLC0415
+
+        return replay_forward_only(meta, cap_path, trust, named_by)
+    flags = meta.extra.get("torch_flags") if isinstance(meta.extra, dict) else None
+    report = replay_capture(
+        cap_path, lambda: _factory(meta, spec, trust, named_by), step,
+        lambda: torch_globals(meta.num_threads, flags if isinstance(flags, dict) else None), t0=t0)
+    report.run_id = meta.run_id
+    return report
+
+
+def replay_capture(cap_path: Path, factory: Callable[[], Callable[[], Recipe]], step: int | None,
+                   environment: Callable[[], Any], *, t0: float | None = None) -> Report:
+    """Replay ``step`` of one capture with recipes from ``factory()()`` inside ``environment()``.
+
+    The daemon-side replay passes the run's recipe and :func:`torch_globals`; the training
+    process's own localization (:mod:`sentineld.agent.localize_live`) passes copies of its live
+    model and an environment that leaves the training's RNG and settings alone.
+
+    Args:
+        factory: called once after the capture opened (so a bad capture is reported before any
+            user code runs); returns ``make``, which builds a fresh :class:`Recipe` per call.
+        step: the step to explain, or None for the capture's first step (auto mode).
+        environment: a context manager factory yielding the process settings in effect (evidence).
+
+    Returns:
+        The :class:`Report` with everything but ``run_id`` filled in.
+
+    Raises:
+        CaptureError: the step is not in the capture or precedes its snapshot.
+    """
+    t0 = time.perf_counter() if t0 is None else t0
     with open_capture(cap_path) as cap:
         steps = cap.steps
         target = cap.first_step if step is None else step
@@ -146,17 +180,15 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
                                f"replayable steps: {cap.snapshot_step}..{steps[-1]}")
         records = {int(r["step"]): r for r in cap.records() if isinstance(r, dict) and "step" in r}
         losses = {s: float(r["loss"]) for s, r in records.items() if isinstance(r.get("loss"), (int, float))}
-        named_by = [p for p in (run_dir / RunDir.RUN_JSON, cap_path) if p.exists()]
-        make = _factory(meta, spec, trust, named_by)
+        make = factory()
         rec = make()
-        flags = meta.extra.get("torch_flags") if isinstance(meta.extra, dict) else None
         S = cap.snapshot_step
 
         def load(s: int) -> tuple[Any, Any]:
             st = cap.step(s)
             return st.batch, st.rng
 
-        with torch_globals(meta.num_threads, flags if isinstance(flags, dict) else None) as in_effect:
+        with environment() as in_effect:
             recast = load_snapshot(rec, cap.snapshot())
             result = rebuild(rec, range(S, target), load, losses)
             offending = target
@@ -174,7 +206,7 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
                     break
                 offending += 1  # auto mode: follow the captured steps to the first real fault
             t2 = time.perf_counter()
-    report.run_id, report.rank, report.capture = meta.run_id, cap.rank, str(cap_path)
+    report.rank, report.capture = cap.rank, str(cap_path)
     report.requested_step = target
     report.steps_rebuilt = offending - S
     report.reproduced = result.equal

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -30,7 +31,23 @@ from sentineld.contracts.treecodec import map_tensors
 from .trace import is_finite, one_thread
 
 __all__ = ["RebuildError", "Rebuilt", "load_snapshot", "run_step", "rebuild", "torch_globals",
-           "same_loss", "state_nonfinite"]
+           "same_loss", "state_nonfinite", "rng_restorer"]
+
+# Per thread: the training process localizes in a thread of its own and restores recorded RNG
+# states into private generators (replay.private_rng), never into the ones training draws from.
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def rng_restorer(restore: Callable[[dict[str, Any]], None]) -> Iterator[None]:
+    """In this thread, restore a step's recorded RNG state with ``restore`` instead of
+    :func:`sentineld.contracts.rng.restore_rng` (which sets the process-wide generators)."""
+    saved = getattr(_local, "restore", None)
+    _local.restore = restore
+    try:
+        yield
+    finally:
+        _local.restore = saved
 
 
 class RebuildError(BadInput):
@@ -161,7 +178,7 @@ def _rng_at_first_forward(model: torch.nn.Module, rng: Any) -> Iterator[None]:
         nonlocal done
         if not done and module.training and torch.is_grad_enabled():
             done = True
-            restore_rng(dict(rng))
+            (getattr(_local, "restore", None) or restore_rng)(dict(rng))
 
     h = model.register_forward_pre_hook(pre)
     try:

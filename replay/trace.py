@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
@@ -375,13 +376,16 @@ class Tracer:
             self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._post, with_kwargs=True))
 
-        # Modules outside the model (a loss module) take part in the stack through global hooks.
+        # Modules outside the model (a loss module) take part in the stack through global hooks,
+        # from this thread only: the training process localizes while its training thread runs.
+        tid = threading.get_ident()
+
         def gpre(m: torch.nn.Module, args: Any) -> None:
-            if id(m) not in own:
+            if id(m) not in own and threading.get_ident() == tid:
                 self._pre(m, args)
 
         def gpost(m: torch.nn.Module, args: Any, out: Any) -> None:
-            if id(m) not in own:
+            if id(m) not in own and threading.get_ident() == tid:
                 self._post(m, args, None, out)
 
         self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(gpre))

@@ -22,10 +22,13 @@ from typing import Any, NoReturn
 
 import click
 
-from sentineld.contracts.errors import EXIT_BAD_INPUT, EXIT_NOT_RUNNING, EXIT_OK
+from sentineld.contracts.errors import EXIT_BAD_INPUT, EXIT_NOT_RUNNING, EXIT_OK, SentineldError
+from sentineld.contracts.rundir import make_private_dir
 from sentineld.daemon.daemon_config import ConfigError, default_state_dir, load_config
 from sentineld.preflight.command import preflight
+from sentineld.regress.command import regress
 from sentineld.replay.main import replay_options, run_replay
+from sentineld.report.command import report
 
 __all__ = ["main", "cli"]
 
@@ -99,8 +102,13 @@ def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, 
             Daemon(cfg).run()
         except AlreadyRunning as exc:
             _fail(str(exc), EXIT_OK)
+        except SentineldError as exc:  # a runs dir that is a file, a state dir we cannot create
+            _fail(str(exc), exc.exit_code)
         return
-    cfg.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        make_private_dir(cfg.state_dir)  # missing parents 0700 too (~/.local/state): nothing of ours world-readable
+    except SentineldError as exc:
+        _fail(str(exc))
     pid = daemon_pid(cfg.state_dir)
     if pid is not None:
         click.echo(f"sentineld daemon already running (pid {pid}), state dir {cfg.state_dir}")
@@ -293,12 +301,28 @@ def _run_dir(run: str, runs_dir: str | None) -> Path:
 def replay(run: str, step: int | None, as_json: bool, recipe: str | None, capture: str | None,
            trust: bool, rank: int | None, runs_dir: str | None) -> None:
     """Rebuild RUN (an id or a directory) before the offending step and name where it broke."""
-    if runs_dir is None:  # a run id is looked up where the daemon's config puts runs
-        try:
-            runs_dir = str(load_config().runs_dir)
-        except ConfigError:
-            runs_dir = None
+    try:
+        cfg = load_config()
+    except ConfigError:
+        cfg = None
+    if runs_dir is None and cfg is not None:  # a run id is looked up where the daemon's config puts runs
+        runs_dir = str(cfg.runs_dir)
+    _limit_memory(cfg.replay_memory_bytes if cfg is not None else 16 << 30)
     sys.exit(run_replay(run, step, as_json, recipe, capture, trust, runs_dir, rank))
+
+
+def _limit_memory(limit_bytes: int) -> None:
+    """Run this replay under the address-space limit the daemon's replays get
+    (``replay_memory_bytes``): a crafted capture or a runaway model fails with a message instead
+    of taking the machine's memory."""
+    import resource  # noqa: PLC0415
+
+    if limit_bytes <= 0:
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY or soft > limit_bytes:
+        new = limit_bytes if hard == resource.RLIM_INFINITY else min(limit_bytes, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (new, hard))
 
 
 # ----------------------------------------------------------------------- demo
@@ -318,8 +342,10 @@ def demo(fault: str, runs_dir: str | None, notify: tuple[str, ...], epochs: int,
     sys.exit(run_demo(fault, runs_dir, notify, epochs, timeout_s))
 
 
-# ------------------------------------------------------------------ preflight
+# ------------------------------------------ preflight, report, regress (issue 12)
 cli.add_command(preflight)  # defined in sentineld/preflight/command.py (imports torch only when run)
+cli.add_command(report)  # sentineld/report/command.py (matplotlib and torch only when run)
+cli.add_command(regress)  # sentineld/regress/command.py (torch only when run)
 
 
 def main() -> None:

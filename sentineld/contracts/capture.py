@@ -12,6 +12,8 @@ Layout (schema version 1)::
     /records               JSON string: list of StepRecord dicts for S..N (and any after N)
     /grads/names, /grads/<i>   gradients at N as the agent saw them before the optimizer step
                            (optional; names is a JSON list, i its index)
+    /forward/<step>/tree, /forward/<step>/<i>   the model's top-level forward call of that step,
+                           ``{"args": [...], "kwargs": {...}}`` (optional: forward-only runs)
 
 Snapshot S is the state *before* step S ran, so re-executing steps S..N-1 gives the state before N.
 Nothing is pickled: trees are JSON and tensors are datasets. A capture is written to
@@ -24,6 +26,7 @@ import json
 import math
 import os
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -32,7 +35,7 @@ import numpy as np
 
 from sentineld.contracts.errors import BadInput
 from sentineld.contracts.h5write import tree_bytes, write_h5_atomic
-from sentineld.contracts.treecodec import decode, encode
+from sentineld.contracts.treecodec import TreeCodecError, decode, encode
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -97,12 +100,62 @@ def _numpy_to_tensor(arr: np.ndarray, dtype: str) -> Any:
     return t
 
 
+#: A dataset may declare at most this many bytes per byte of its file (and at least 64 MiB in
+#: all): the agent writes uncompressed data, so a capture's datasets add up to about its size; a
+#: 721 kB file declaring an unwritten 60000x60000 gzip dataset once drove a replay to 14.4 GB.
+DECLARED_BYTES_PER_FILE_BYTE = 16
+MIN_DATASET_LIMIT_BYTES = 64 << 20
+
+
+def put_dataset(group: Any, name: str, data: Any) -> Any:
+    """Create dataset ``name`` in ``group`` with a checksum, the one way capture data is written.
+
+    Arrays of one or more dimensions get HDF5's fletcher32 filter (checked by HDF5 on every read);
+    scalars and strings (the JSON trees, records) a ``crc32`` attribute checked by
+    :func:`read_dataset`. A flipped bit is then reported as corruption, not replayed as data.
+    """
+    arr = np.asarray(data) if not isinstance(data, (str, bytes)) else None
+    if arr is not None and arr.ndim >= 1 and arr.size > 0 and arr.dtype.kind in "biufc":
+        return group.create_dataset(name, data=arr, fletcher32=True)
+    ds = group.create_dataset(name, data=data)
+    ds.attrs["crc32"] = zlib.crc32(_raw(ds[()]))
+    return ds
+
+
+def _raw(val: Any) -> bytes:
+    if isinstance(val, bytes):
+        return val
+    if isinstance(val, str):
+        return val.encode()
+    return np.ascontiguousarray(val).tobytes()
+
+
+def read_dataset(ds: Any) -> Any:
+    """The value of a capture dataset, its checksum verified.
+
+    Raises:
+        CaptureError: the stored checksum does not match (the file was altered after writing).
+    """
+    declared = int(ds.size or 0) * int(ds.dtype.itemsize or 1)
+    file_bytes = os.path.getsize(ds.file.filename)
+    if declared > max(MIN_DATASET_LIMIT_BYTES, DECLARED_BYTES_PER_FILE_BYTE * file_bytes):
+        raise CaptureError(f"{ds.file.filename}: dataset {ds.name} declares {declared} bytes, far more than "
+                           f"the {file_bytes}-byte file can hold; the capture was altered or crafted, "
+                           "it is not read (use another capture of this run)")
+    val = ds[()]
+    want = ds.attrs.get("crc32")
+    if want is not None and zlib.crc32(_raw(val)) != int(want):
+        raise CaptureError(f"{ds.file.filename}: dataset {ds.name} is corrupted (checksum mismatch); "
+                           "the capture was altered after it was written: use another capture of this run")
+    return val
+
+
 def _write_tree(group: Any, tree: Any) -> None:
     tensors: list[Any] = []
-    group.create_dataset("tree", data=json.dumps(encode(tree, tensors)))
+    put_dataset(group, "tree", json.dumps(encode(tree, tensors)))
     for i, t in enumerate(tensors):
         arr, dtype = tensor_to_numpy(t)
-        ds = group.create_dataset(str(i), data=arr)
+        ds = put_dataset(group, str(i), arr)
         ds.attrs["torch_dtype"] = dtype
 
 
@@ -113,10 +166,10 @@ def write_step(group: Any, st: CaptureStep) -> None:
         from sentineld.contracts.rng import rng_to_json  # noqa: PLC0415
 
         meta, arrays = rng_to_json(dict(st.rng))
-        group.create_dataset("rng_meta", data=json.dumps(meta))
+        put_dataset(group, "rng_meta", json.dumps(meta))
         rg = group.create_group("rng")
         for name, arr in arrays.items():
-            rg.create_dataset(name, data=arr)
+            put_dataset(rg, name, arr)
 
 
 def write_snapshot(group: Any, snapshot: Mapping[str, Any]) -> None:
@@ -129,13 +182,13 @@ def _read_tree(group: Any) -> Any:
 
     def tensor(i: int) -> Any:
         ds = group[str(i)]
-        return _numpy_to_tensor(ds[()], str(ds.attrs["torch_dtype"]))
+        return _numpy_to_tensor(read_dataset(ds), str(ds.attrs["torch_dtype"]))
 
     return decode(tree, tensor)
 
 
 def _read_str(ds: Any) -> str:
-    val = ds[()]
+    val = read_dataset(ds)
     return val.decode() if isinstance(val, bytes) else str(val)
 
 
@@ -152,6 +205,7 @@ def write_capture(
     records: Iterable[Mapping[str, Any]],
     grads: Mapping[str, Any] | None = None,
     message: str = "",
+    forward_calls: Mapping[int, Any] | None = None,
 ) -> Path:
     """Write a capture atomically (temp name, fsync, rename) and return its final path.
 
@@ -161,6 +215,9 @@ def write_capture(
         steps: the steps ``snapshot_step..first_step`` (at least), with batches and RNG states.
         records: per-step scalar records (JSON-ready dicts).
         grads: parameter name -> gradient tensor at ``first_step`` (optional evidence).
+        forward_calls: step -> ``{"args": tuple, "kwargs": dict}`` of the model's top-level forward
+            (recorded for runs with neither loss_fn nor recipe; optional). A call holding a value
+            with no JSON form is left out, never the capture.
 
     Raises:
         OSError: the file cannot be written (permissions; a full disk gives ``errno.ENOSPC`` and a
@@ -180,19 +237,37 @@ def write_capture(
         sg = f.create_group("steps")
         for st in steps:
             write_step(sg.create_group(str(st.step)), st)
-        f.create_dataset("records", data=json.dumps(records))
+        put_dataset(f, "records", json.dumps(records))
         if grads:
             # By index with a JSON list of names: a parameter name may hold "/" (nn.ModuleDict
             # keys), which HDF5 would read as a group path.
             gg = f.create_group("grads")
-            gg.create_dataset("names", data=json.dumps(list(grads)))
+            put_dataset(gg, "names", json.dumps(list(grads)))
             for i, t in enumerate(grads.values()):
                 arr, dtype = tensor_to_numpy(t)
-                gg.create_dataset(str(i), data=arr).attrs["torch_dtype"] = dtype
+                put_dataset(gg, str(i), arr).attrs["torch_dtype"] = dtype
+        if forward_calls:
+            _write_forward(f.create_group("forward"), forward_calls)
 
-    estimate = tree_bytes(dict(snapshot)) + sum(tree_bytes(st.batch) for st in steps) + tree_bytes(grads or {})
+    estimate = (tree_bytes(dict(snapshot)) + sum(tree_bytes(st.batch) for st in steps)
+                + tree_bytes(grads or {}) + tree_bytes(dict(forward_calls or {})))
     write_h5_atomic(path, fill, estimate, durable=True, what="capture")
     return path
+
+
+def _write_forward(group: Any, calls: Mapping[int, Any]) -> None:
+    """``/forward/<step>/tree`` + tensors, like a batch; calls that cannot be encoded are skipped."""
+    for step, call in calls.items():
+        tensors: list[Any] = []
+        try:
+            text = json.dumps(encode(call, tensors))
+        except (TreeCodecError, TypeError, ValueError):
+            continue
+        g = group.create_group(str(step))
+        put_dataset(g, "tree", text)
+        for i, t in enumerate(tensors):
+            arr, dtype = tensor_to_numpy(t)
+            put_dataset(g, str(i), arr).attrs["torch_dtype"] = dtype
 
 
 class Capture:
@@ -264,7 +339,7 @@ class Capture:
                 from sentineld.contracts.rng import rng_from_json  # noqa: PLC0415
 
                 meta = json.loads(_read_str(g["rng_meta"]))
-                rng = rng_from_json(meta, {k: v[()] for k, v in g["rng"].items()})
+                rng = rng_from_json(meta, {k: read_dataset(v) for k, v in g["rng"].items()})
             return CaptureStep(step=step, batch=batch, rng=rng)
 
         return self._guard(load, f"step {step}")
@@ -280,10 +355,17 @@ class Capture:
         def load() -> dict[str, Any]:
             g = self._f["grads"]
             names = json.loads(_read_str(g["names"]))
-            return {str(n): _numpy_to_tensor(g[str(i)][()], str(g[str(i)].attrs["torch_dtype"]))
+            return {str(n): _numpy_to_tensor(read_dataset(g[str(i)]), str(g[str(i)].attrs["torch_dtype"]))
                     for i, n in enumerate(names)}
 
         return self._guard(load, "grads")
+
+    def forward_calls(self) -> dict[int, Any]:
+        """step -> ``{"args": tuple, "kwargs": dict}`` of the model's recorded top-level forward
+        calls ({} when the run recorded none)."""
+        if not self._guard(lambda: "forward" in self._f, "forward"):
+            return {}
+        return self._guard(lambda: {int(k): _read_tree(g) for k, g in self._f["forward"].items()}, "forward")
 
     def _guard(self, fn: Any, what: str) -> Any:
         try:
@@ -291,6 +373,11 @@ class Capture:
         except CaptureError:
             raise
         except Exception as exc:  # noqa: BLE001 - h5py/numpy on a damaged file raise many types
+            # Our datasets carry no filter but fletcher32, so a failing filter is a checksum.
+            text = str(exc).lower()
+            if "checksum" in text or "fletcher32" in text or "filter returned failure" in text:
+                raise CaptureError(f"{self.path}: {what} is corrupted (checksum mismatch); the capture "
+                                   "was altered after it was written: use another capture of this run") from None
             raise CaptureError(f"{self.path}: {what} is unreadable ({type(exc).__name__}: {exc}); "
                                "the capture is damaged, use another capture of this run") from None
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from sentineld.contracts.capture import tensor_to_numpy
+from sentineld.contracts.capture import put_dataset, tensor_to_numpy
 from sentineld.contracts.treecodec import encode
 
 __all__ = ["SNAP_FILE", "STEP_FILE", "MAGIC", "Packer", "write_ring_file",
@@ -152,9 +152,9 @@ def ring_array(body: memoryview, desc: list[Any]) -> np.ndarray:
 
 def put_tree(group: Any, packed: dict[str, Any], body: memoryview) -> None:
     """Write a packed tree into an HDF5 group in the capture layout (``tree`` + datasets)."""
-    group.create_dataset("tree", data=json.dumps(packed["tree"]))
+    put_dataset(group, "tree", json.dumps(packed["tree"]))
     for i, (torch_dtype, *desc) in enumerate(packed["tensors"]):
-        group.create_dataset(str(i), data=ring_array(body, desc)).attrs["torch_dtype"] = str(torch_dtype)
+        put_dataset(group, str(i), ring_array(body, desc)).attrs["torch_dtype"] = str(torch_dtype)
 
 
 

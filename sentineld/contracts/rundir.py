@@ -112,22 +112,31 @@ def valid_run_id(run_id: str) -> bool:
 def make_private_dir(path: str | os.PathLike[str]) -> Path:
     """Create ``path`` (and parents) with mode 0700 for what we create; return it.
 
+    Raises:
+        RunDirError: ``path`` (or a parent) is a file, or cannot be created (the message says which).
+
     Missing parents are created 0700 too (``Path.mkdir(parents=True)`` would give them the
     umask's mode, e.g. 0755, and leave the list of runs readable by everyone).
     """
     p = Path(path)
     missing = []
     q = p
-    while not q.exists() and q.parent != q:
-        missing.append(q)
-        q = q.parent
-    for d in reversed(missing):
-        try:
-            d.mkdir(mode=0o700)
-            os.chmod(d, 0o700)  # mkdir's mode is masked by the umask
-        except FileExistsError:
-            pass  # created meanwhile by another rank or process
-    p.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        while not q.exists() and q.parent != q:
+            missing.append(q)
+            q = q.parent
+        for d in reversed(missing):
+            try:
+                d.mkdir(mode=0o700)
+                os.chmod(d, 0o700)  # mkdir's mode is masked by the umask
+            except FileExistsError:
+                pass  # created meanwhile by another rank or process
+        p.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except FileExistsError:
+        raise RunDirError(f"{p} exists and is not a directory; point it at a directory "
+                          "(e.g. SENTINELD_RUNS_DIR or --runs-dir)") from None
+    except OSError as exc:
+        raise RunDirError(f"cannot create directory {str(p)[:200]}: {exc.strerror or exc}") from None
     try:
         os.chmod(p, 0o700)
     except OSError:
@@ -198,10 +207,14 @@ def resolve_run(run: str, runs_dir: str | os.PathLike[str] | None) -> Path:
         RunDirError: neither a directory nor a run id under ``runs_dir``.
     """
     p = Path(run)
-    if p.is_dir():
-        return p
-    if runs_dir is not None and valid_run_id(run) and (Path(runs_dir) / run).is_dir():
-        return Path(runs_dir) / run
+    try:
+        if p.is_dir():
+            return p
+        if runs_dir is not None and valid_run_id(run) and (Path(runs_dir) / run).is_dir():
+            return Path(runs_dir) / run
+    except OSError as exc:  # a name over the OS limit (ENAMETOOLONG), a folder we may not enter
+        raise RunDirError(f"no run {run[:80]!r}{'...' if len(run) > 80 else ''}: {exc.strerror or exc}; "
+                          "pass a run directory or a run id (list them with `sentineld runs`)") from None
     where = f" under {runs_dir}" if runs_dir else ""
     raise RunDirError(f"no run {run!r}{where}: pass a run directory or a run id "
                       "(list them with `sentineld runs`)")
@@ -265,7 +278,8 @@ class RunDir:
     def ring_dirs(self) -> list[Path]:
         """On-disk ring directories in this run directory, sorted (none when unreadable)."""
         try:
-            return sorted(p for p in self.path.iterdir() if p.name.startswith(self.RING_PREFIX) and p.is_dir())
+            return sorted(p for p in self.path.iterdir()
+                          if p.name.startswith(self.RING_PREFIX) and p.is_dir() and not p.is_symlink())
         except OSError:
             return []
 

@@ -14,13 +14,16 @@ re-executing S..N-1), ``localize_s`` (the instrumented step).
 ``backward``: ``op_inputs``, ``op_output``; ``optimizer``: ``state_entry``, ``optimizer_state``,
 ``eps``, ``inf_gradient_origin`` (clipping), ``scheduler`` (learning rate); always
 ``replayed_loss``, ``recorded_loss``, ``rebuilt_losses``, ``births``, ``nan_table_row``,
-``precision``, ``torch_flags``.
+``precision``, ``torch_flags``; a verdict of the training process itself (``attach(loss_fn=)``,
+:mod:`sentineld.contracts.verdict_file`) adds ``in_process`` (``mode``, ``memory_bytes``, ``wall_s``),
+and a forward-only one ``not_checked`` (phases it could not check) and ``how_to_enable``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
@@ -162,4 +165,12 @@ def notification_text(report: Mapping[str, Any]) -> tuple[str, str]:
     ev = report.get("evidence") or {}
     if phase == "data" and ev.get("field"):
         lines.append(f"field: {ev['field']} samples: {ev.get('samples')}")
+    if ev.get("not_checked"):  # a forward-only verdict (no loss_fn, no recipe)
+        lines.append(f"not checked: {', '.join(map(str, ev['not_checked']))}; to check them, "
+                     f"{ev.get('how_to_enable', '')}")
+    if report.get("capture"):  # captures live in the run directory; so does its report
+        run_dir = os.path.dirname(str(report["capture"]))
+        lines.append(f"report: write it with `sentineld report {run_dir}` "
+                     f"(to {os.path.join(run_dir, 'report.html')}); a regression test with "
+                     f"`sentineld regress {run_dir}`")
     return title, "\n".join(lines) + "\n"

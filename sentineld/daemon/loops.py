@@ -4,7 +4,8 @@
 - :class:`DeliveryThread` sends due outbox notifications (retry with backoff; crash protocol in
   :mod:`sentineld.daemon.delivery`) and forwards to Alertmanager;
 - :class:`ReplayThread` runs one replay subprocess at a time (timeout, memory limit) and hands
-  its outcome on;
+  its outcome on; for a run that localizes in process it first waits for the training process's
+  own verdict (:mod:`sentineld.daemon.inprocess`);
 - :class:`RecoverThread` turns the on-disk ring of a training process that died without closing
   into a ``crash`` capture (:mod:`sentineld.daemon.ring_recovery`).
 """
@@ -23,8 +24,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sentineld.contracts.ringformat import ring_state
+from sentineld.contracts.rundir import RunMeta
 from sentineld.daemon.daemon_config import DaemonConfig
 from sentineld.daemon.delivery import SecretFilter, deliver_due
+from sentineld.daemon.inprocess import InProcessVerdicts
 from sentineld.daemon.notifier import Notifier
 from sentineld.daemon.replay_runner import ReplayOutcome, run_replay_subprocess
 from sentineld.daemon.ring_recovery import recover_ring
@@ -127,6 +130,7 @@ class ReplayThread(LoopThread):
         # Captures queued or running; one cut short by the daemon's own shutdown leaves it, to
         # run again after a restart.
         self.queued: set[str] = set()
+        self.in_process = InProcessVerdicts(timeout_s=cfg.replay_timeout_s)
 
     def offer(self, rw: RunWatch) -> None:
         """Queue the captures of ``rw`` not replayed yet (also after a restart: a capture seen
@@ -149,6 +153,8 @@ class ReplayThread(LoopThread):
             record = self.record_of(rw, cap)
             if record.exists() or rw.meta is None:
                 continue
+            if self._in_process_verdict(rw, rw.meta, cap, record):
+                continue
             log.info("run %s: replaying %s", rw.run_id, cap.name)
             try:
                 outcome = run_replay_subprocess(rw.meta, rw.run_dir, cap, timeout_s=self.cfg.replay_timeout_s,
@@ -160,6 +166,19 @@ class ReplayThread(LoopThread):
                 self.queued.discard(f"{rw.incident_scope}|{cap}")
                 return  # cut short by our own shutdown: it runs again after a restart
             self.finish(rw, cap, outcome, record)
+
+    def _in_process_verdict(self, rw: RunWatch, meta: RunMeta, cap: Path, record: Path) -> bool:
+        """True when the training process's own verdict for ``cap`` was handed on, or is still
+        awaited (``cap`` queued again); False: the daemon replays it itself."""
+        decision, outcome = self.in_process.decide(meta, cap)
+        if decision == "wait":
+            time.sleep(0.05)
+            self.jobs.put((rw, cap))
+            return True
+        if outcome is not None:
+            self.finish(rw, cap, outcome, record)
+            return True
+        return False
 
 
 class RecoverThread(LoopThread):

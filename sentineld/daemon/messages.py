@@ -47,3 +47,23 @@ def replay_failed_text(run: str, capture: str, reason: str) -> tuple[str, str]:
     return (f"[sentineld] replay of run {run} failed",
             f"The replay of {capture} gave no verdict: {reason}\n"
             f"Run it by hand: sentineld replay {run}\n")
+
+
+def agent_notice_text(run: str, rank: int, kind: str, step: int, message: str) -> tuple[str, str] | None:
+    """Title and body for what the agent reported about itself, or None when it needs no page.
+
+    ``agent_error``: the agent switched itself off, so this run is no longer watched. A warning
+    that a capture was not written (a full disk): the incident's replay cannot run.
+    """
+    at = f" at step {step}" if step >= 0 else ""
+    if kind == "agent_error":
+        return (f"[sentineld] monitoring stopped in run {run} (rank {rank})",
+                f"The agent in run {run}, rank {rank}, switched itself off{at}: {message}\n"
+                "Training goes on unwatched: no more alerts or captures for this rank. Fix the cause "
+                "and restart the run to watch it again.\n")
+    if message.startswith("capture not written"):
+        return (f"[sentineld] capture failed in run {run}{at}",
+                f"Run {run}, rank {rank}: the capture{at} was not written: {message}\n"
+                "Without it the offending step cannot be replayed. Free space in the runs dir "
+                "(a full disk is the usual cause); the next incident will be captured.\n")
+    return None

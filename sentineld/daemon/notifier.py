@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 from sentineld.contracts.capture import CaptureError, open_capture
 from sentineld.contracts.verdict import notification_text
 from sentineld.daemon.delivery import LOG_TARGET, Destination
-from sentineld.daemon.messages import alert_text, recovery_text, replay_failed_text
+from sentineld.daemon.messages import agent_notice_text, alert_text, recovery_text, replay_failed_text
 from sentineld.daemon.outbox import Notification, Outbox, notification_id
 from sentineld.daemon.policy import Active
 from sentineld.daemon.replay_runner import ReplayOutcome
@@ -75,6 +75,19 @@ class Notifier:
             self.write_error = None
         if added:
             self.delivery_wake.set()
+
+    def agent_notices(self, rw: RunWatch) -> None:
+        """Page what the agent said about itself (switched off, a capture not written); each once."""
+        notices, rw.notices = rw.notices, []
+        for rank, kind, step, message in notices:
+            text = agent_notice_text(rw.run_id, rank, kind, step, message)
+            if text is None:
+                continue
+            nid = notification_id(rw.incident_scope, kind, rank, step, message[:200])
+            self.enqueue(Notification(id=nid, kind="alert", title=text[0], body=text[1], severity="warning",
+                                      run=rw.run_id, signature="agent_stopped" if kind == "agent_error"
+                                      else "capture_failed", step=step if step >= 0 else None,
+                                      data={"rank": rank, "message": message}))
 
     def retry_unwritten(self) -> None:
         """Write the notifications held in memory since a failed write, oldest first."""

@@ -13,11 +13,12 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
-from sentineld.contracts.capture import SCHEMA_VERSION
+from sentineld.contracts.capture import SCHEMA_VERSION, put_dataset
 from sentineld.contracts.h5write import write_h5_atomic
 from sentineld.contracts.ringformat import (
     SNAP_FILE,
@@ -73,7 +74,11 @@ def recover_ring(ring_dir: Path, who: str = "sentineld") -> Path | None:
     m = RunDir.RING.match(ring_dir.name)
     run_dir = ring_dir.parent
     try:
-        fd = os.open(ring_dir / "lock", os.O_RDWR)
+        if not stat.S_ISDIR(os.lstat(ring_dir).st_mode):
+            # A symlink named like a ring: following it would delete files wherever it points.
+            log.warning("%s is not a ring directory (a symlink or a file); left alone", ring_dir)
+            return None
+        fd = os.open(ring_dir / "lock", os.O_RDWR | os.O_NOFOLLOW)
     except OSError:
         return None
     try:
@@ -92,6 +97,8 @@ def recover_ring(ring_dir: Path, who: str = "sentineld") -> Path | None:
             rank = int(m.group(1)) if m else 0
         snaps, steps = set(), set()
         for p in ring_dir.iterdir():
+            if p.is_symlink():
+                continue  # never ours: the agent writes plain files only
             if p.name.endswith(".tmp"):
                 p.unlink(missing_ok=True)  # cut short by the kill
             elif (sm := SNAP_FILE.match(p.name)):
@@ -149,10 +156,10 @@ def _assemble(h5py: Any, ring_dir: Path, path: Path, meta: dict[str, Any], rank:
                 put_tree(g.create_group("batch"), header["batch"], body)
                 rng = header.get("rng")
                 if rng:
-                    g.create_dataset("rng_meta", data=json.dumps(rng["meta"]))
+                    put_dataset(g, "rng_meta", json.dumps(rng["meta"]))
                     rg = g.create_group("rng")
                     for name, desc in rng["arrays"].items():
-                        rg.create_dataset(name, data=ring_array(body, desc))
+                        put_dataset(rg, name, ring_array(body, desc))
             finally:
                 del body
                 close_mapping(mm)
@@ -160,7 +167,7 @@ def _assemble(h5py: Any, ring_dir: Path, path: Path, meta: dict[str, Any], rank:
             rec = rec if isinstance(rec, dict) else stream_recs.get(n)
             if rec is not None:
                 records.append(rec)
-        f.create_dataset("records", data=json.dumps(records))
+        put_dataset(f, "records", json.dumps(records))
 
     write_h5_atomic(path, fill, estimate, durable=True, what="crash capture")
 

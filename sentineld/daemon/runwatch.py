@@ -11,16 +11,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from sentineld.contracts.records import StepRecord, record_from_json
 from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, read_run_meta
 from sentineld.contracts.stream import CHUNK_BYTES, StreamTail, read_lines
 
-__all__ = ["RunWatch", "save_progress", "load_progress"]
+__all__ = ["RunWatch", "save_progress", "load_progress", "stale_temp_captures", "STALE_TMP_AGE_S"]
 
 log = logging.getLogger("sentineld.daemon")
 
@@ -74,6 +75,7 @@ class RunWatch:
     last_alert_s: dict[str, float] = field(default_factory=dict)
     reported_error: str | None = None
     meta_error: str | None = None
+    notices: list[tuple[int, str, int, str]] = field(default_factory=list)  # (rank, kind, step, message)
     replaced: bool = False
     _meta_key: tuple[int, int, int] | None = None
     _buf: dict[int, deque[tuple[dict[str, Any] | None, int]]] = field(default_factory=dict)
@@ -168,6 +170,9 @@ class RunWatch:
                 elif kind in ("agent_error", "agent_warning"):
                     self.agent_errors.append(str(obj.get("message", ""))[:500])
                     del self.agent_errors[:-20]
+                    if end > self._quiet_until.get(rank, -1):  # not one a restart re-reads
+                        self.notices.append((rank, str(kind), _as_int(obj.get("step"), -1),
+                                             str(obj.get("message", ""))[:2000]))
             self.bad_lines = sum(t.bad_lines for t in self.tails.values())
         caps = []
         try:
@@ -261,6 +266,32 @@ class RunWatch:
         self.ended = {_as_int(r): str(v) for r, v in saved.get("ended", {}).items()}
         self.last_alert_s = {str(k): float(v) for k, v in (saved.get("last_alert_s") or {}).items()
                              if isinstance(v, (int, float))}
+
+
+#: A temp capture untouched this long, of a process that is gone, will never be finished.
+STALE_TMP_AGE_S = 60.0
+
+
+def stale_temp_captures(rw: RunWatch, now_s: float, this_host: str,
+                        alive: Callable[[int], bool]) -> list[Path]:
+    """``capture-rank<R>-*.h5.tmp`` files of ``rw`` a killed training process left behind.
+
+    A temp file is stale when it is a regular file (never a symlink: deleting through one would
+    remove a file elsewhere), older than :data:`STALE_TMP_AGE_S`, and rank R's process ran on
+    this host and is no longer alive. Files of other hosts' ranks are left to their daemon.
+    """
+    out = []
+    for rank, pid in rw.pids.items():
+        if not pid or rw.hosts.get(rank) != this_host or alive(pid):
+            continue
+        for p in RunDir(rw.run_dir).unfinished_captures(rank):
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and now_s - st.st_mtime >= STALE_TMP_AGE_S:
+                out.append(p)
+    return out
 
 
 def save_progress(path: Path, rw: RunWatch) -> None:

@@ -46,7 +46,7 @@ from sentineld.daemon.notifier import Notifier
 from sentineld.daemon.outbox import Outbox, notification_id
 from sentineld.daemon.policy import Active, Decision, active_from_dict, decide, due_holds
 from sentineld.daemon.replay_runner import ReplayOutcome
-from sentineld.daemon.runwatch import RunWatch, load_progress, save_progress
+from sentineld.daemon.runwatch import RunWatch, load_progress, save_progress, stale_temp_captures
 from sentineld.daemon.statedir import (
     destination_secret,
     take_lock,
@@ -114,6 +114,7 @@ class Daemon:
         self._sig_config = self._signature_config()
         self._held: dict[tuple[str, str], float] = {}
         self._run_failures: dict[str, str] = {}  # run dir -> last error logged for it
+        self.stale_temps_removed = 0
 
     @property
     def wake(self) -> threading.Event:
@@ -242,6 +243,17 @@ class Daemon:
             self.runs[key] = rw
         return rw
 
+    def _remove_stale_temps(self, rw: RunWatch) -> None:
+        """Delete the unfinished captures of this host's dead training processes (a SIGKILL during
+        a capture write leaves up to hundreds of MB); counted in status (``stale_temps_removed``)."""
+        for p in stale_temp_captures(rw, time.time(), socket.gethostname(), _pid_alive):
+            try:
+                p.unlink()
+            except OSError:
+                continue
+            self.stale_temps_removed += 1
+            log.info("run %s: removed %s, a capture its killed process never finished", rw.run_id, p.name)
+
     def _forget(self, key: str) -> None:
         """Drop what is known of the run at path ``key`` (a new run replaced it)."""
         self.runs.pop(key, None)
@@ -288,6 +300,7 @@ class Daemon:
         if now - self._rings_checked.get(str(run_dir), 0.0) >= self.cfg.poll_s:
             self._rings_checked[str(run_dir)] = now
             self._recoverer.offer(rw)
+            self._remove_stale_temps(rw)
         if self.cfg.replay:
             self._replayer.offer(rw)
         if changed:
@@ -304,6 +317,8 @@ class Daemon:
             more = rw.behind
             if new:
                 self._evaluate(rw, live=not more)
+            if rw.notices:
+                self.notifier.agent_notices(rw)
             for cap in caps:
                 rw.captures_seen.add(cap.name)
                 parsed = parse_capture_name(cap.name)
@@ -460,6 +475,7 @@ class Daemon:
                   "alerts_suppressed": st.alerts_suppressed, "resent_in_doubt": st.resent_in_doubt,
                   "rings_recovered": st.rings_recovered, "notify": [d.shown for d in self.notifier.dests],
                   "alerts_unwritten": len(self.notifier.unwritten), "state_write_error": self.notifier.write_error,
+                  "stale_temps_removed": self.stale_temps_removed,
                   "runs": [rw.status() for rw in self.runs.values()]}
         if self._metrics:
             self._metrics["runs"].set(len(self.runs))
@@ -469,6 +485,17 @@ class Daemon:
             if self.notifier.write_error is None:
                 log.error("cannot write status.json: %s", exc)
             self.notifier.write_error = f"status.json: {exc}"
+
+
+def _pid_alive(pid: int) -> bool:
+    """True when a process ``pid`` exists on this host (ours or not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _same_run(run_dir: Path, saved: dict[str, Any]) -> bool:

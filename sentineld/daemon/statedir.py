@@ -41,7 +41,7 @@ def take_lock(state_dir: Path) -> FileLock:
 
 def daemon_pid(state_dir: Path) -> int | None:
     """Pid of the daemon holding ``state_dir``'s lock, or None when none runs (stale pidfile)."""
-    lock = FileLock(str(state_dir / LOCK_NAME))
+    lock = FileLock(str(state_dir / LOCK_NAME), mode=0o600)
     try:
         lock.acquire(timeout=0)
     except Timeout:

@@ -46,7 +46,7 @@ __all__ = ["SentineldCallback", "RECIPE"]
 #: The built-in recipe a Lightning run names in run.json.
 RECIPE = "sentineld.integrations.lightning_replay:recipe_from_run"
 
-_FROM_TRAINER = {"scheduler", "scaler", "accumulation_steps"}
+_FROM_TRAINER = {"scheduler", "scaler", "accumulation_steps", "clip_grad_norm"}
 
 try:  # either package's Callback: both Trainers accept it (Lightning duck-types callbacks)
     from lightning.pytorch import Callback as _Base
@@ -94,8 +94,8 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
     Args:
         **attach_kwargs: :func:`sentineld.agent.attach`'s keywords (``run_id``, ``runs_dir``,
             ``recipe``/``recipe_args`` to replay with your own recipe, config fields such as
-            ``metrics_port``...). ``scheduler``, ``scaler`` and ``accumulation_steps`` come from
-            the trainer.
+            ``metrics_port``...). ``scheduler``, ``scaler``, ``accumulation_steps`` and
+            ``clip_grad_norm`` come from the trainer.
 
     Attributes:
         watch: the :class:`sentineld.agent.Watch` while training runs (None before and after a
@@ -133,6 +133,9 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
                                 if getattr(c.scheduler, "optimizer", None) is opt), None)
         kw["scaler"] = getattr(trainer.precision_plugin, "scaler", None)
         self._k = kw["accumulation_steps"] = max(1, int(trainer.accumulate_grad_batches))
+        clip, algo = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+        norm_clip = clip and str(getattr(algo, "value", algo) or "norm") == "norm"
+        kw["clip_grad_norm"] = float(clip) if norm_clip else None  # for in-process localization
         if "recipe" not in kw:
             try:
                 kw["recipe_args"] = replay_args(trainer, pl_module)

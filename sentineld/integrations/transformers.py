@@ -46,7 +46,7 @@ __all__ = ["SentineldCallback", "RECIPE"]
 #: The built-in recipe a Trainer run names in run.json.
 RECIPE = "sentineld.integrations.transformers_replay:recipe_from_run"
 
-_FROM_TRAINER = {"scheduler", "scaler", "accumulation_steps"}
+_FROM_TRAINER = {"scheduler", "scaler", "accumulation_steps", "clip_grad_norm"}
 
 
 def _find_trainer() -> Any:
@@ -127,7 +127,8 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
     Args:
         **attach_kwargs: :func:`sentineld.agent.attach`'s keywords (``run_id``, ``runs_dir``,
             ``recipe``/``recipe_args``, config fields such as ``metrics_port``...).
-            ``scheduler``, ``scaler`` and ``accumulation_steps`` come from the Trainer.
+            ``scheduler``, ``scaler``, ``accumulation_steps`` and ``clip_grad_norm`` come from
+            the Trainer.
 
     Attributes:
         watch: the :class:`sentineld.agent.Watch` while training runs.
@@ -161,6 +162,8 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
         accelerator = getattr(trainer, "accelerator", None)
         kw["scaler"] = getattr(accelerator, "scaler", None)
         self._k = kw["accumulation_steps"] = max(1, int(args.gradient_accumulation_steps))
+        clip = float(args.max_grad_norm or 0.0)
+        kw["clip_grad_norm"] = clip if clip > 0 else None  # for in-process localization
         if "recipe" not in kw:
             try:
                 kw["recipe_args"] = replay_args(trainer, args, state, model, opt, sched)

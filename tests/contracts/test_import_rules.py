@@ -29,7 +29,8 @@ RULES = {
     **{f"sentineld.contracts.{m}": ["sentineld.daemon", "sentineld.cli", "sentineld.agent",
                                     "sentineld.replay", "sentineld.signatures", "apprise", "watchdog"]
        for m in ("rundir", "records", "stream", "capture", "treecodec", "rng", "recipe", "metric_names",
-                 "nonfinite", "errors", "snapshot", "triggers", "ringformat", "verdict", "h5write")},
+                 "nonfinite", "errors", "snapshot", "triggers", "ringformat", "verdict", "h5write",
+                 "verdict_file")},
     # The signatures are pure: records in, verdicts out.
     "sentineld.signatures": ["sentineld.daemon", "sentineld.cli", "sentineld.agent", "sentineld.replay",
                              "torch", "apprise", "watchdog"],
@@ -40,6 +41,7 @@ RULES = {
                  "sentineld.replay.trust")},
     # The daemon never imports the agent or the replay (it spawns the replay).
     "sentineld.daemon.service": ["sentineld.agent", "sentineld.replay", "sentineld.cli", "torch"],
+    "sentineld.daemon.inprocess": ["sentineld.agent", "sentineld.replay", "sentineld.cli", "torch"],
 }
 
 #: Contracts that must stay torch-free (the daemon reads them without torch).
@@ -47,7 +49,7 @@ TORCH_FREE = ["sentineld.contracts.rundir", "sentineld.contracts.records", "sent
               "sentineld.contracts.capture", "sentineld.contracts.errors", "sentineld.contracts.nonfinite",
               "sentineld.contracts.metric_names", "sentineld.contracts.snapshot",
               "sentineld.contracts.triggers", "sentineld.contracts.ringformat", "sentineld.contracts.verdict",
-              "sentineld.contracts.h5write"]
+              "sentineld.contracts.h5write", "sentineld.contracts.verdict_file"]
 
 
 def _modules_after(module: str) -> list[str]:
@@ -74,3 +76,19 @@ def test_torch_free_contracts(module):
 def test_the_check_can_fail():
     # The cli imports the daemon's config: a rule "cli imports no daemon" would be violated.
     assert _hits(_modules_after("sentineld.cli"), ["sentineld.daemon"]) != []
+
+
+def test_attach_with_loss_fn_loads_no_replay_code_before_an_incident(tmp_path):
+    # The in-process localization imports the replay inside its thread, at the first incident:
+    # a run that never has one never loads it.
+    code = ("import json, sys, torch; from sentineld.agent import attach\n"
+            "m = torch.nn.Linear(3, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+            f"w = attach(m, opt, runs_dir={str(tmp_path)!r}, metrics_port=0, disk_ring=False,\n"
+            "           loss_fn=lambda model, b: model(b).sum())\n"
+            "for _ in range(3):\n"
+            "    x = torch.randn(2, 3); opt.zero_grad(); loss = m(x).sum(); loss.backward(); opt.step()\n"
+            "    w.step(loss, x)\n"
+            "w.close(); print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert _hits(json.loads(out.stdout.strip().splitlines()[-1]), ["sentineld.replay", "sentineld.daemon"]) == []

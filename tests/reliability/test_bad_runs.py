@@ -160,3 +160,23 @@ def test_a_full_state_disk_holds_the_alert_and_sends_it_once_there_is_room(make_
     st = wait_until(lambda: daemon.status() if daemon.status().get("alerts_unwritten") == 0 else None, 20,
                     "status after the write")
     assert st["state_write_error"] is None
+
+
+def test_a_failed_capture_and_an_agent_that_switched_off_are_paged(make_daemon):
+    """d9bb298: a capture not written (disk full) showed only in status; an agent that switched
+    itself off sent nothing, and the run went on unwatched."""
+    daemon = make_daemon(extra=["--no-replay"])
+    run_dir = write_run(daemon.runs_dir, "agent-says", 30, {20}, end=False)
+    with open(run_dir / "stream-rank0.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "agent_warning", "step": 20, "message": "capture not written: [Errno 28] "
+                            "no space left on device in /runs (12 bytes free, about 5 MB needed)"}) + "\n")
+        f.write(json.dumps({"kind": "agent_error", "message": "OSError(28, 'No space left on device')"}) + "\n")
+    notes = wait_until(lambda: {n["signature"]: n for n in _alerts(daemon, "agent-says")}
+                       if len(_alerts(daemon, "agent-says")) >= 3 else None, 30, "three notifications")
+    assert set(notes) == {"nonfinite", "capture_failed", "agent_stopped"}
+    assert "no space left" in notes["capture_failed"]["body"] and notes["capture_failed"]["step"] == 20
+    assert "switched itself off" in notes["agent_stopped"]["body"]
+    daemon.stop()
+    daemon.start()  # a restart re-reads the window, but pages nothing twice
+    time.sleep(3)
+    assert len(_alerts(daemon, "agent-says")) == 3

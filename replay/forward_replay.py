@@ -1,0 +1,83 @@
+"""``sentineld replay`` of a run with neither recipe nor loss_fn: forward-only, from the capture.
+
+Such a run records its model's top-level forward calls in the capture (``/forward``) and its model
+class in ``run.json`` (``extra.model_class``, ``module:QualName``). When the class can be imported
+from the run's working directory (after the same ownership checks as a recipe) and built without
+arguments, the replay loads the snapshot's parameters into it and runs
+:func:`replay.forward_only.localize_forward`, as the training process itself does. Otherwise it says
+what to pass.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sentineld.contracts.capture import open_capture
+from sentineld.contracts.rng import restore_rng
+from sentineld.contracts.rundir import RunMeta
+from sentineld.contracts.verdict import Report
+from sentineld.contracts.verdict_file import verdict_path
+
+from .engine import ReplayError
+from .forward_only import HOW_TO_ENABLE, ForwardCall, localize_forward
+from .rebuild import torch_globals
+from .trust import load_recipe_factory
+
+__all__ = ["replay_forward_only"]
+
+
+def _model(meta: RunMeta, trust: bool, named_by: list[Path]) -> torch.nn.Module:
+    spec = meta.extra.get("model_class") if isinstance(meta.extra, dict) else None
+    if not isinstance(spec, str) or spec.startswith("__main__:"):
+        raise ReplayError(f"run {meta.run_id} recorded no recipe, and its model class "
+                          f"({spec or 'not recorded'}) cannot be imported; {HOW_TO_ENABLE}, or pass "
+                          "--recipe module:function")
+    cls = load_recipe_factory(spec, meta.cwd, trust=trust, named_by=named_by)
+    try:
+        model = cls()
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code
+        raise ReplayError(f"run {meta.run_id} recorded no recipe, and its model class {spec} cannot be "
+                          f"built without arguments ({type(exc).__name__}: {exc}); {HOW_TO_ENABLE}, "
+                          "or pass --recipe module:function") from None
+    if not isinstance(model, torch.nn.Module):
+        raise ReplayError(f"{spec} built a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def replay_forward_only(meta: RunMeta, cap_path: Path, trust: bool, named_by: list[Path]) -> Report:
+    """Forward-only verdict for ``cap_path`` of a run without a recipe.
+
+    Raises:
+        ReplayError: the capture holds no forward calls, or the model cannot be imported or built
+            (the message says what to pass instead).
+    """
+    with open_capture(cap_path) as cap:
+        calls_rec = cap.forward_calls()
+        if not calls_rec:
+            verdict = verdict_path(cap_path)
+            raise ReplayError(f"run {meta.run_id} recorded no recipe; pass --recipe module:function "
+                              "(a function returning sentineld.contracts.recipe.Recipe)"
+                              + (f"; the training process's own verdict is in {verdict}" if verdict.exists() else ""))
+        model = _model(meta, trust, named_by)
+        snap = cap.snapshot()
+        own = dict(model.named_parameters()) | dict(model.named_buffers())
+        for name, t in (snap.get("model") or {}).items():
+            cur = own.get(name)
+            if cur is not None and cur.is_floating_point() and t.is_floating_point() and cur.dtype != t.dtype:
+                cur.data = cur.data.to(t.dtype)
+        try:
+            model.load_state_dict(snap["model"])
+        except (RuntimeError, KeyError) as exc:
+            raise ReplayError(f"{type(model).__name__}() does not match the captured state: "
+                              f"{' '.join(str(exc).split())[:400]}") from None
+        model.train()
+        calls = [ForwardCall(s, tuple(c["args"]), dict(c["kwargs"]), dict(r) if (r := cap.step(s).rng) else None)
+                 for s, c in sorted(calls_rec.items()) if s in cap.steps]
+        flags = meta.extra.get("torch_flags") if isinstance(meta.extra, dict) else None
+        with torch_globals(meta.num_threads, flags if isinstance(flags, dict) else None) as in_effect:
+            report = localize_forward(model, cap.snapshot_step, calls, cap.first_step, restore_rng)
+        report.rank, report.capture, report.run_id = cap.rank, str(cap_path), meta.run_id
+    report.evidence["torch_flags"] = in_effect
+    return report

@@ -1,0 +1,108 @@
+"""How the daemon uses the verdicts a training process wrote itself (:mod:`sentineld.contracts.verdict_file`).
+
+For the captures of a run that localizes in process (``run.json``'s ``extra.localize``) the daemon
+waits for the verdict file instead of spawning a replay of its own, and falls back to its own
+replay (when the run named a recipe) if the file says the localization failed, or the training
+process ended without writing it, or it did not come within ``timeout_s``.
+
+Light on purpose: the daemon imports it without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from sentineld.contracts.rundir import RunMeta, parse_capture_name
+from sentineld.contracts.safeio import read_regular
+from sentineld.contracts.verdict_file import LOCALIZED_TRIGGERS, verdict_path
+
+from .replay_runner import ReplayOutcome
+
+__all__ = ["InProcessVerdicts"]
+
+
+def _classify(report: dict[str, Any]) -> str:
+    if not report.get("reproduced", False):
+        return "not_reproduced"
+    return "not_localized" if report.get("phase") == "none" else "localized"
+
+
+def _alive(meta: RunMeta) -> bool:
+    if meta.host != socket.gethostname():
+        return True  # cannot tell from here: wait for the timeout
+    try:
+        os.kill(meta.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class InProcessVerdicts:
+    """The daemon's decisions for captures of runs that localize in process.
+
+    Args:
+        timeout_s: most seconds to wait for a verdict file after the capture was first seen.
+        clock: monotonic seconds (tests pass a fake one).
+    """
+
+    def __init__(self, timeout_s: float, clock: Any = time.monotonic) -> None:
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.first_seen: dict[str, float] = {}
+
+    def decide(self, meta: RunMeta, capture: Path) -> tuple[str, ReplayOutcome | None]:
+        """``("deliver", outcome)``, ``("wait", None)`` or ``("spawn", None)`` (the daemon's own replay)."""
+        mode = meta.extra.get("localize") if isinstance(meta.extra, dict) else None
+        parsed = parse_capture_name(capture.name)
+        if mode in (None, "off") or parsed is None or parsed[2] not in LOCALIZED_TRIGGERS:
+            return "spawn", None
+        key = f"{meta.run_id}@{meta.started_s!r}|{capture}"  # a new run reusing the path waits anew
+        t0 = self.first_seen.setdefault(key, self.clock())
+        path = verdict_path(capture)
+        payload = _read(path)
+        if payload is None:
+            if _alive(meta) and self.clock() - t0 < self.timeout_s:
+                return "wait", None
+            reason = ("the training process ended without writing its verdict" if not _alive(meta)
+                      else f"the training process wrote no verdict within {self.timeout_s:g} s")
+            return self._fallback(meta, key, reason)
+        if isinstance(payload.get("phase"), str) and "schema_version" in payload:
+            self.first_seen.pop(key, None)
+            elapsed = float(payload.get("elapsed_s") or 0.0)
+            return "deliver", ReplayOutcome(_classify(payload), payload, "", elapsed, 0)
+        return self._fallback(meta, key, f"the training process's localization failed: "
+                                         f"{str(payload.get('reason', payload))[:1500]}")
+
+    def _fallback(self, meta: RunMeta, key: str, reason: str) -> tuple[str, ReplayOutcome | None]:
+        self.first_seen.pop(key, None)
+        if meta.recipe:
+            return "spawn", None
+        return "deliver", ReplayOutcome("failed", None, reason + "; the run named no recipe, so the "
+                                        "daemon cannot replay it (pass recipe= to attach)", 0.0, None)
+
+
+#: Largest verdict file read (a report is a few KiB; births and evidence stay well under this).
+MAX_VERDICT_BYTES = 8 << 20
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    """The verdict file's object; None while it is absent; a ``failed`` payload naming what is
+    wrong with it otherwise (read like every run-dir file: no symlink, no FIFO, bounded)."""
+    try:
+        data = read_regular(path, MAX_VERDICT_BYTES)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return {"result": "failed", "reason": str(exc)}
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError):
+        return {"result": "failed", "reason": f"{path.name} is not JSON"}
+    return obj if isinstance(obj, dict) else {"result": "failed", "reason": f"{path.name} is not an object"}

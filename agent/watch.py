@@ -21,6 +21,9 @@ What happens where, and why:
   On CUDA, values are copied non-blocking into pinned memory with an event and read when the event
   has completed (normally one step later): no host-device sync is added to the step.
 
+Framework callbacks (:mod:`sentineld.integrations`) feed the same steps from the framework's own
+points through :meth:`Watch.begin_step`, :meth:`Watch.grads_ready` and :meth:`Watch.start_at`.
+
 The parts, each owning its state: :mod:`.readback` (values to records), :mod:`.snapshots`
 (cadence), :mod:`.incidents` (when to capture), :mod:`.capturer` (the writer thread),
 :mod:`.runfiles` (run directory, run.json, stream), :mod:`.diskring` (the on-disk ring).
@@ -203,12 +206,28 @@ class Watch:
 
     # ----------------------------------------------------------------- hooks
     def _on_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        if not self.enabled or self._step_started or not (module.training and torch.is_grad_enabled()):
+        if module.training and torch.is_grad_enabled():
+            self._begin(args, kwargs)
+
+    def begin_step(self) -> None:
+        """Mark the start of a training step: take a due snapshot and read the RNG states.
+
+        The model's forward pre-hook does this at the first training forward of a step. A
+        framework callback calls it where its step starts when the framework never calls the
+        model itself (Lightning's ``training_step``): at the first micro-batch of each optimizer
+        step, before its forward. Later calls in the same step do nothing. Never raises.
+        """
+        self._begin(None, None)
+
+    def _begin(self, args: Any, kwargs: Any) -> None:
+        if not self.enabled or self._step_started:
             return
         try:
             self._step_started = True
-            if self._live is not None:
-                self._live.on_forward(self._n, args, kwargs, self._schedule.due)
+            # A step begun by a framework has no forward arguments to keep for forward-only
+            # localization; that step's forward call is then simply not recorded.
+            if self._live is not None and (args is not None or not self._live.forward_only):
+                self._live.on_forward(self._n, args or (), kwargs or {}, self._schedule.due)
             if self._schedule.due:
                 self._take_snapshot(self._n)
             self._rng = capture_rng()
@@ -231,6 +250,16 @@ class Watch:
             self._disable(exc)
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.grads_ready()
+
+    def grads_ready(self) -> None:
+        """Take this step's global grad norm now: the gradients are complete, not yet clipped.
+
+        The optimizer's step pre-hook does this. A framework that runs forward and backward
+        inside ``optimizer.step(closure)`` (Lightning) runs that pre-hook before the closure, on
+        the previous step's gradients; its callback calls this again once the closure is done
+        (``on_before_optimizer_step``), and the later value is the one recorded. Never raises.
+        """
         if not self.enabled:
             return
         try:
@@ -238,6 +267,21 @@ class Watch:
             self._pre_hook_ran = True
         except Exception as exc:  # noqa: BLE001
             self._disable(exc)
+
+    def start_at(self, step: int) -> None:
+        """Number the next recorded step ``step`` instead of 0; call before the first step starts.
+
+        A framework callback passes its trainer's global step, so a resumed run's stream,
+        snapshots and captures use the trainer's step numbers.
+
+        Raises:
+            ValueError: ``step`` is negative, or a step already started.
+        """
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        if self._step_started or self._ring.entries:  # a snapshot or record already numbered
+            raise ValueError("start_at() must be called before the first step starts")
+        self._n = int(step)
 
     # ------------------------------------------------------------------ step
     def step(self, loss: torch.Tensor | float, batch: Any = None) -> None:

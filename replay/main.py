@@ -22,7 +22,7 @@ from sentineld.contracts.errors import EXIT_NOT_REPRODUCED, EXIT_OK, SentineldEr
 from sentineld.contracts.rundir import default_runs_dir, resolve_run
 from sentineld.contracts.trust import check_import_path
 
-__all__ = ["replay_options", "run_replay", "command", "main"]
+__all__ = ["replay_options", "run_replay", "stdout_to_stderr", "command", "main"]
 
 
 def replay_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -73,7 +73,7 @@ def run_replay(run: str, step: int | None, as_json: bool, recipe: str | None, ca
         from sentineld.contracts.verdict import render_text  # noqa: PLC0415
         from sentineld.replay.engine import replay_run  # noqa: PLC0415
 
-        with _stdout_to_stderr():  # the user's code may print: stdout carries only the verdict
+        with stdout_to_stderr():  # the user's code may print: stdout carries only the verdict
             report = replay_run(run_dir, step, recipe=recipe, trust=trust, capture=capture, rank=rank)
     except SentineldError as exc:
         click.echo(f"sentineld: {exc}", err=True)
@@ -83,7 +83,7 @@ def run_replay(run: str, step: int | None, as_json: bool, recipe: str | None, ca
 
 
 @contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
+def stdout_to_stderr() -> Iterator[None]:
     """Send everything written to stdout (Python and file descriptor 1) to stderr meanwhile."""
     sys.stdout.flush()
     saved_fd = os.dup(1)

@@ -12,6 +12,7 @@ directory (what the recipe pulls in, at once or lazily) passes the same check wh
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import logging
 import sys
@@ -21,9 +22,19 @@ from typing import Any, Callable
 from sentineld.contracts.errors import BadInput
 from sentineld.contracts.trust import UntrustedError, check_owned, install_import_guard
 
-__all__ = ["UntrustedError", "RecipeError", "check_owned", "load_recipe_factory"]
+__all__ = ["UntrustedError", "RecipeError", "check_owned", "load_recipe_factory", "trust_given"]
 
 log = logging.getLogger("sentineld.replay")
+
+
+# Set by load_recipe_factory: a built-in recipe that imports more code named by the run (the
+# Lightning/HF integrations load the user's module class) applies the same --trust decision.
+_TRUST: contextvars.ContextVar[bool] = contextvars.ContextVar("sentineld_trust", default=False)
+
+
+def trust_given() -> bool:
+    """True when the recipe being built was imported with ``trust=True`` (``--trust``)."""
+    return _TRUST.get()
 
 
 class RecipeError(BadInput):
@@ -66,6 +77,7 @@ def load_recipe_factory(recipe: str, cwd: str, *, trust: bool, named_by: list[Pa
     caches = [d / "__pycache__" for d in dirs if (d / "__pycache__").is_dir()]
     cached = [c for d in caches for c in d.glob("*.pyc")]
     files = mod_files + dirs + caches + cached + list(named_by)
+    _TRUST.set(trust)
     if trust:
         log.warning("sentineld: --trust given: importing %s without ownership checks", recipe)
     else:

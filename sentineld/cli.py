@@ -26,7 +26,9 @@ from sentineld.contracts.errors import EXIT_BAD_INPUT, EXIT_NOT_RUNNING, EXIT_OK
 from sentineld.contracts.rundir import make_private_dir
 from sentineld.daemon.daemon_config import ConfigError, default_state_dir, load_config
 from sentineld.preflight.command import preflight
+from sentineld.regress.command import regress
 from sentineld.replay.main import replay_options, run_replay
+from sentineld.report.command import report
 
 __all__ = ["main", "cli"]
 
@@ -340,8 +342,10 @@ def demo(fault: str, runs_dir: str | None, notify: tuple[str, ...], epochs: int,
     sys.exit(run_demo(fault, runs_dir, notify, epochs, timeout_s))
 
 
-# ------------------------------------------------------------------ preflight
+# ------------------------------------------ preflight, report, regress (issue 12)
 cli.add_command(preflight)  # defined in sentineld/preflight/command.py (imports torch only when run)
+cli.add_command(report)  # sentineld/report/command.py (matplotlib and torch only when run)
+cli.add_command(regress)  # sentineld/regress/command.py (torch only when run)
 
 
 def main() -> None:

@@ -39,6 +39,9 @@ class Recipe:
         zero_grad: False reproduces a loop that never zeroes gradients (a known bug).
         autocast_dtype: dtype for ``torch.autocast`` around the forward pass, or None.
         num_classes: C of a C-class classification loss (enables the ln(C) first-loss check).
+        scale_accumulated: divide each micro-batch's loss by the number of micro-batches before
+            backward (False: ``loss_fn`` already normalizes over the whole accumulated batch, as
+            the Hugging Face Trainer's models do when given ``num_items_in_batch``).
     """
 
     model: torch.nn.Module
@@ -51,6 +54,7 @@ class Recipe:
     zero_grad: bool = True
     autocast_dtype: torch.dtype | None = None
     num_classes: int | None = None
+    scale_accumulated: bool = True
 
     def __post_init__(self) -> None:
         if self.accumulation_steps < 1:
@@ -105,7 +109,7 @@ def train_step(recipe: Recipe, batch: Any, on_phase: Callable[[str], None] | Non
         with ctx:
             loss = recipe.loss_fn(model, mb)
         phase("backward")
-        scaled = loss / len(micro) if len(micro) > 1 else loss
+        scaled = loss / len(micro) if len(micro) > 1 and recipe.scale_accumulated else loss
         if scaler is not None:
             scaled = scaler.scale(scaled)
         scaled.backward()

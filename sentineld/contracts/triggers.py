@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-__all__ = ["NONFINITE", "CRASH", "MANUAL", "TRIGGERS"]
+__all__ = ["NONFINITE", "CRASH", "MANUAL", "REGRESS", "TRIGGERS"]
 
 #: A non-finite step (the agent's incident policy).
 NONFINITE = "nonfinite"
@@ -11,5 +11,7 @@ NONFINITE = "nonfinite"
 CRASH = "crash"
 #: ``Watch.capture_now()`` without a trigger.
 MANUAL = "manual"
+#: A regression fixture trimmed from a capture by ``sentineld regress`` (outside any run dir).
+REGRESS = "regress"
 
-TRIGGERS = (NONFINITE, CRASH, MANUAL)
+TRIGGERS = (NONFINITE, CRASH, MANUAL, REGRESS)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
@@ -167,4 +168,9 @@ def notification_text(report: Mapping[str, Any]) -> tuple[str, str]:
     if ev.get("not_checked"):  # a forward-only verdict (no loss_fn, no recipe)
         lines.append(f"not checked: {', '.join(map(str, ev['not_checked']))}; to check them, "
                      f"{ev.get('how_to_enable', '')}")
+    if report.get("capture"):  # captures live in the run directory; so does its report
+        run_dir = os.path.dirname(str(report["capture"]))
+        lines.append(f"report: write it with `sentineld report {run_dir}` "
+                     f"(to {os.path.join(run_dir, 'report.html')}); a regression test with "
+                     f"`sentineld regress {run_dir}`")
     return title, "\n".join(lines) + "\n"

@@ -29,8 +29,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["Notification", "Outbox", "notification_id", "PENDING", "SENDING", "DELIVERED", "DROPPED",
-           "bound_text", "bound_data", "MAX_TITLE_CHARS", "MAX_BODY_CHARS", "MAX_DATA_BYTES"]
+__all__ = ["Notification", "Outbox", "notification_id", "read_notification", "read_notifications", "PENDING",
+           "SENDING", "DELIVERED", "DROPPED", "bound_text", "bound_data", "MAX_TITLE_CHARS", "MAX_BODY_CHARS",
+           "MAX_DATA_BYTES"]
 
 PENDING, SENDING, DELIVERED, DROPPED = "pending", "sending", "delivered", "dropped"
 
@@ -161,6 +162,29 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def read_notification(path: Path) -> Notification | None:
+    """The notification stored at ``path``; None when it is unreadable, not JSON or not one."""
+    try:
+        obj = json.loads(path.read_text())
+        if not isinstance(obj, dict):
+            return None
+        return Notification(**{k: v for k, v in obj.items() if k in _FIELDS})
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def read_notifications(directory: Path) -> list[Notification]:
+    """Every notification under an outbox ``directory``, pending then delivered, read-only.
+
+    Unlike :class:`Outbox` (whose constructor creates the directories and removes the ``*.json.tmp``
+    of a save cut short), this changes nothing: a reader beside a running daemon (``sentineld
+    report``) must not remove the temp file of a save the daemon has in flight. [] when
+    ``directory`` does not exist; unreadable files are skipped.
+    """
+    paths = sorted(directory.glob("*.json")) + sorted((directory / "delivered").glob("*.json"))
+    return [n for n in map(read_notification, paths) if n is not None]
+
+
 class Outbox:
     """Notifications on disk under ``directory`` (pending) and ``directory/delivered``.
 
@@ -212,27 +236,17 @@ class Outbox:
         os.replace(self._path(note.id), self._done_path(note.id))
         _fsync_dir(self.dir)
 
-    @staticmethod
-    def _read(path: Path) -> Notification | None:
-        try:
-            obj = json.loads(path.read_text())
-            if not isinstance(obj, dict):
-                return None
-            return Notification(**{k: v for k, v in obj.items() if k in _FIELDS})
-        except (OSError, ValueError, TypeError):
-            return None
-
     def __iter__(self) -> Iterator[Notification]:
         """Pending notifications."""
         for path in sorted(self.dir.glob("*.json")):
-            note = self._read(path)
+            note = read_notification(path)
             if note is not None:
                 yield note
 
     def delivered(self) -> Iterator[Notification]:
         """Notifications every destination took."""
         for path in sorted(self.done_dir.glob("*.json")):
-            note = self._read(path)
+            note = read_notification(path)
             if note is not None:
                 yield note
 

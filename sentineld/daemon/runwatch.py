@@ -194,8 +194,8 @@ class RunWatch:
             key: tuple[int, int, int] | None = (st.st_ino, st.st_mtime_ns, st.st_size)
         except OSError:
             key = None
-        if key == self._meta_key and self.meta is not None:
-            return
+        if key == self._meta_key and (self.meta is not None or self.meta_error is not None):
+            return  # unchanged since the last read (good or bad): not parsed again
         try:
             meta = read_run_meta(self.run_dir)
         except RunDirError as exc:

@@ -62,6 +62,10 @@ def start_observer(dirty: DirtyRuns, polling: bool, poll_s: float) -> Any:
 
     class Handler(FileSystemEventHandler):
         def on_any_event(self, event: Any) -> None:
+            # Reads are not changes: the daemon's own reads of run.json and the streams raise
+            # "opened" / "closed_no_write" events, and reacting to them reads again, for ever.
+            if getattr(event, "event_type", "") in ("opened", "closed_no_write"):
+                return
             for p in (getattr(event, "src_path", None), getattr(event, "dest_path", None)):
                 if p:
                     dirty.mark_path(Path(os.fsdecode(p)))

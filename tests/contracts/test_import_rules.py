@@ -14,6 +14,13 @@ import pytest
 RULES = {
     # The agent lives in the training process: no daemon, CLI, replay, apprise or watchdog.
     "sentineld.agent": ["sentineld.daemon", "sentineld.cli", "sentineld.replay", "apprise", "watchdog"],
+    # The framework callbacks run in the training process too (agent-side).
+    **{f"sentineld.integrations.{m}": ["sentineld.daemon", "sentineld.cli", "sentineld.replay", "apprise",
+                                       "watchdog"]
+       for m in ("lightning", "transformers")},
+    # Their built-in recipes run in the replay's process.
+    **{f"sentineld.integrations.{m}_replay": ["sentineld.daemon", "sentineld.cli", "apprise", "watchdog"]
+       for m in ("lightning", "transformers")},
     # The replay runs as its own process: no CLI or daemon code.
     "sentineld.replay.main": ["sentineld.daemon", "sentineld.cli", "apprise", "watchdog"],
     "sentineld.replay.engine": ["sentineld.daemon", "sentineld.cli", "sentineld.agent", "apprise",

@@ -123,6 +123,8 @@ def preflight(recipe: str, data: str, as_json: bool, lr_range: bool, lr_plot: st
                                   lr_range=lr_range, lr_plot=lr_plot, overfit_steps=overfit_steps)
     except (TypeError, ValueError) as exc:
         _bad(f"{exc} (recipe {recipe}, data {data})")
+    except SystemExit as exc:  # the user's loss_fn / step called sys.exit: not preflight's exit code
+        _bad(f"the recipe's code called sys.exit({exc.code!r}) during the checks (recipe {recipe}, data {data})")
     if as_json:
         click.echo(json.dumps(to_json_dict(checks), indent=2))
     else:

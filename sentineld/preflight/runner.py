@@ -45,6 +45,9 @@ def _take(batches: Iterable[Any], n: int) -> list[Any]:
         taken = list(islice(iter(batches), n))
     except TypeError:
         raise TypeError(f"batches must be an iterable of batches, got {type(batches).__name__}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's DataLoader / generator can raise anything
+        raise ValueError(f"drawing the first {n} batches raised {type(exc).__name__}: {exc}; "
+                         "fix the data pipeline (it fails before training would)") from None
     if not taken:
         raise ValueError("batches yielded no batch: preflight needs at least one")
     return taken
@@ -125,10 +128,16 @@ def _point_overfit_at_failures(checks: list[Check]) -> list[Check]:
 
 def _copyable(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     try:
-        copy_pair(model, optimizer)
+        model_copy, _ = copy_pair(model, optimizer)
     except Exception as exc:  # noqa: BLE001 - whatever the user's objects hold
         raise ValueError(f"preflight works on a copy, and copy.deepcopy of the model and optimizer failed "
                          f"({type(exc).__name__}: {exc}); keep locks, files and threads out of the model") from None
+    # A __deepcopy__ that returns self (or shares parameters) would make every check train the
+    # user's own model: refuse rather than break the promise that it is left unchanged.
+    own = {id(p) for p in model.parameters()}
+    if any(id(p) in own for p in model_copy.parameters()):
+        raise ValueError("preflight works on a copy, and copy.deepcopy of the model returned one sharing "
+                         "the model's parameters (a __deepcopy__ returning self?); make deepcopy copy them")
 
 
 def _need(value: Any) -> Any:

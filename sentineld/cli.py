@@ -210,10 +210,20 @@ def _safe_state_dir() -> Path:
 
 
 @cli.command()
-@click.option("--runs-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--runs-dir", type=click.Path(file_okay=False), default=None,
+              help="Runs dir to list (default: the one the running daemon watches, else the configured one).")
+@click.option("--state-dir", type=click.Path(file_okay=False), default=None,
+              help="State dir of the daemon whose runs dir to list (as for status and stop).")
 @click.option("--json", "as_json", is_flag=True)
-def runs(runs_dir: str | None, as_json: bool) -> None:
+def runs(runs_dir: str | None, state_dir: str | None, as_json: bool) -> None:
     """List run directories with their last step, captures and state (read from disk)."""
+    if runs_dir is None:  # with a daemon running, list what it watches
+        from sentineld.daemon.statedir import daemon_pid, read_status  # noqa: PLC0415
+
+        sd = Path(state_dir) if state_dir else _safe_state_dir()
+        st = read_status(sd) if sd.is_dir() and daemon_pid(sd) is not None else None
+        if st and isinstance(st.get("runs_dir"), str):
+            runs_dir = st["runs_dir"]
     from sentineld.contracts.rundir import RunDirError, list_captures, read_run_meta  # noqa: PLC0415
     from sentineld.daemon.runwatch import RunWatch  # noqa: PLC0415
 

@@ -20,7 +20,7 @@ import click
 
 from sentineld.contracts.errors import EXIT_NOT_REPRODUCED, EXIT_OK, SentineldError
 from sentineld.contracts.rundir import default_runs_dir, resolve_run
-from sentineld.contracts.trust import check_import_path
+from sentineld.contracts.trust import add_replay_path, check_import_path
 
 __all__ = ["replay_options", "run_replay", "stdout_to_stderr", "command", "main"]
 
@@ -62,6 +62,7 @@ def run_replay(run: str, step: int | None, as_json: bool, recipe: str | None, ca
     """
     logging.basicConfig(level=logging.WARNING, format="sentineld: %(message)s", stream=sys.stderr)
     try:
+        add_replay_path()  # the daemon's $PYTHONPATH, which `python -I` left out
         if not trust:  # a module another user could add to this path would run before any recipe check
             check_import_path()
         run_dir = resolve_run(run, runs_dir if runs_dir is not None else default_runs_dir())

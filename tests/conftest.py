@@ -21,6 +21,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _restore_import_path() -> Iterator[None]:
+    """Give each test the import path it started with. A replay or a script load in the test
+    process puts the run's folder on ``sys.path`` (right for the one-shot replay process); left
+    there, a later in-process replay's import-path check would refuse a folder of another test."""
+    saved = list(sys.path)
+    yield
+    sys.path[:] = saved
+
+
 def get_free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -35,8 +35,24 @@ from typing import Sequence
 
 from .errors import BadInput
 
-__all__ = ["UntrustedError", "check_owned", "check_chain", "untrusted_reason", "check_interpreter",
-           "check_import_path", "ImportGuard", "install_import_guard"]
+__all__ = ["REPLAY_PATH_ENV", "add_replay_path", "UntrustedError", "check_owned", "check_chain",
+           "untrusted_reason", "check_interpreter", "check_import_path", "ImportGuard", "install_import_guard"]
+
+
+#: Environment variable by which the daemon hands its ``$PYTHONPATH`` to the replay it starts
+#: with ``python -I`` (which ignores ``$PYTHONPATH``); see :func:`add_replay_path`.
+REPLAY_PATH_ENV = "SENTINELD_REPLAY_PATH"
+
+
+def add_replay_path(environ: dict[str, str] | None = None) -> list[str]:
+    """Put the entries of :data:`REPLAY_PATH_ENV` on ``sys.path`` as ``$PYTHONPATH`` would (first,
+    in order); returns them. The caller checks them with :func:`check_import_path` next."""
+    env = os.environ if environ is None else environ
+    entries = [e for e in env.get(REPLAY_PATH_ENV, "").split(os.pathsep) if e]
+    for e in reversed(entries):
+        if e not in sys.path:
+            sys.path.insert(0, e)
+    return entries
 
 
 class UntrustedError(BadInput):

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from sentineld.contracts.rundir import RunMeta
-from sentineld.contracts.trust import UntrustedError, check_interpreter, untrusted_reason
+from sentineld.contracts.trust import REPLAY_PATH_ENV, UntrustedError, check_interpreter, untrusted_reason
 
 __all__ = ["ReplayOutcome", "run_replay_subprocess", "SCRUBBED_ENV"]
 
@@ -142,6 +142,9 @@ def run_replay_subprocess(meta: RunMeta, run_dir: Path, capture: Path, *, timeou
     cmd = [python, "-I", "-m", "sentineld.replay", str(run_dir), "--capture", str(capture), "--json"]
     env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
     env["PYTHONUNBUFFERED"] = "1"
+    # -I drops $PYTHONPATH; the daemon's own (its user's choice, not the run's) is handed over
+    # apart, and the replay puts it on sys.path only after checking every entry like the rest.
+    env[REPLAY_PATH_ENV] = os.environ.get("PYTHONPATH", "")
     t0 = time.monotonic()
     with tempfile.TemporaryFile(dir=scratch_dir) as out_f, tempfile.TemporaryFile(dir=scratch_dir) as err_f:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=out_f, stderr=err_f, stdin=subprocess.DEVNULL,

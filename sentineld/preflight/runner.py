@@ -87,7 +87,7 @@ def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
             that is not a LightningModule or a transformers model.
     """
     if batches is None:
-        raise TypeError("batches is required: an iterable of training batches (a DataLoader, a list)")
+        raise TypeError("batches must be an iterable of batches, got NoneType (a DataLoader, a list)")
     if optimizer is None or loss_fn is None:
         from .frameworks import check_model  # noqa: PLC0415
 

@@ -96,7 +96,8 @@ def render(checks: list[Check]) -> None:
 @click.option("--trust", is_flag=True, help="Import the modules even if another user could have written them.")
 def preflight(recipe: str, data: str, as_json: bool, lr_range: bool, lr_plot: str | None,
               num_classes: int | None, overfit_steps: int, trust: bool) -> None:
-    """Check a training setup before a long run: RECIPE is MODULE:FUNCTION returning a Recipe.
+    """Check a training setup before a long run: RECIPE is MODULE:FUNCTION returning a Recipe,
+    a LightningModule or a transformers model.
 
     Runs the method's checklist (labels, inputs, output layer vs loss, first loss vs ln C,
     gradient flow and application, shapes, gradcheck, dead units) and Rule #1 (overfit one
@@ -111,16 +112,21 @@ def preflight(recipe: str, data: str, as_json: bool, lr_range: bool, lr_plot: st
     built = _call(recipe, trust, "the recipe")
     from sentineld.contracts.recipe import Recipe  # noqa: PLC0415 - imports torch
 
-    if not isinstance(built, Recipe):
+    from .frameworks import check_model, framework_of  # noqa: PLC0415
+
+    if not isinstance(built, Recipe) and framework_of(built) is None:
         _bad(f"{recipe} returned {type(built).__name__}, not a sentineld.recipe.Recipe "
-             "(Recipe(model=..., optimizer=..., loss_fn=...))")
+             "(Recipe(model=..., optimizer=..., loss_fn=...)), a LightningModule or a transformers model")
     batches = _call(data, trust, "the data function")
     from .runner import check_recipe  # noqa: PLC0415
 
+    opts: dict[str, Any] = {"lr_range": lr_range, "lr_plot": lr_plot, "overfit_steps": overfit_steps}
     try:
         with contextlib.redirect_stdout(sys.stderr):
-            checks = check_recipe(built, batches, num_classes=num_classes or built.num_classes,
-                                  lr_range=lr_range, lr_plot=lr_plot, overfit_steps=overfit_steps)
+            if isinstance(built, Recipe):
+                checks = check_recipe(built, batches, num_classes=num_classes or built.num_classes, **opts)
+            else:
+                checks = check_model(built, None, None, batches, num_classes=num_classes, **opts)
     except (TypeError, ValueError) as exc:
         _bad(f"{exc} (recipe {recipe}, data {data})")
     except SystemExit as exc:  # the user's loss_fn / step called sys.exit: not preflight's exit code

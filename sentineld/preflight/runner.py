@@ -53,9 +53,9 @@ def _take(batches: Iterable[Any], n: int) -> list[Any]:
     return taken
 
 
-def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-          loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], batches: Iterable[Any],
-          num_classes: int | None = None, *, step: StepFn | None = None,
+def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+          loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+          batches: Iterable[Any] | None = None, num_classes: int | None = None, *, step: StepFn | None = None,
           split: Callable[[Any], tuple[Any, Any]] | None = None, max_batches: int = 8,
           overfit_samples: int = OVERFIT_SAMPLES, overfit_steps: int = 300, lr_range: bool = False,
           lr_plot: str | Path | None = None) -> list[Check]:
@@ -65,7 +65,8 @@ def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     are unchanged afterwards; up to ``max_batches`` batches are drawn from ``batches``.
 
     Args:
-        model: the module to train.
+        model: the module to train; a LightningModule or a transformers model may come without
+            ``optimizer`` / ``loss_fn`` (see :mod:`sentineld.preflight.frameworks`).
         optimizer: the optimizer over its parameters (its class and hyper-parameters are used).
         loss_fn: ``(model, batch) -> loss`` (scalar tensor), as for ``attach(loss_fn=)``.
         batches: an iterable of training batches (a DataLoader, a list).
@@ -85,8 +86,17 @@ def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     Raises:
         TypeError, ValueError: ``batches`` is not an iterable of at least one batch, or the model
-            and optimizer cannot be deep-copied.
+            and optimizer cannot be deep-copied; ``optimizer`` or ``loss_fn`` is None for a model
+            that is not a LightningModule or a transformers model.
     """
+    if batches is None:
+        raise TypeError("batches must be an iterable of batches, got NoneType (a DataLoader, a list)")
+    if optimizer is None or loss_fn is None:
+        from .frameworks import check_model  # noqa: PLC0415
+
+        return check_model(model, optimizer, loss_fn, batches, num_classes=num_classes, step=step,
+                           split=split, max_batches=max_batches, overfit_samples=overfit_samples,
+                           overfit_steps=overfit_steps, lr_range=lr_range, lr_plot=lr_plot)
     with rng_guard():
         torch.manual_seed(0)  # dropout masks, inits in loss_fn: the same verdicts on every run
         _copyable(model, optimizer)

@@ -27,8 +27,15 @@ def _restore_import_path() -> Iterator[None]:
     process puts the run's folder on ``sys.path`` (right for the one-shot replay process); left
     there, a later in-process replay's import-path check would refuse a folder of another test."""
     saved = list(sys.path)
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)
     yield
     sys.path[:] = saved
+    # `sentineld replay` run in-process (click's CliRunner) puts the process under the replay's
+    # address-space limit; children started later (Chromium reserves far more address space
+    # than it uses) would die of it.
+    resource.setrlimit(resource.RLIMIT_AS, limit)
 
 
 def get_free_port() -> int:

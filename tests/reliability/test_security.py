@@ -53,7 +53,10 @@ def _listening(pid: int) -> list[tuple[str, int]]:
 def _modes(root: Path) -> list[str]:
     bad = []
     for p in [root, *root.rglob("*")]:
-        mode = stat.S_IMODE(p.lstat().st_mode)
+        try:
+            mode = stat.S_IMODE(p.lstat().st_mode)
+        except FileNotFoundError:
+            continue  # a ring's temp file renamed by the writer while we list
         want = 0o700 if p.is_dir() else 0o600
         if mode != want:
             bad.append(f"{p.relative_to(root.parent)} {mode:o}")

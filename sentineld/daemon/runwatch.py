@@ -21,7 +21,8 @@ from sentineld.contracts.records import StepRecord, record_from_json
 from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, read_run_meta
 from sentineld.contracts.stream import CHUNK_BYTES, StreamTail, read_lines
 
-__all__ = ["RunWatch", "save_progress", "load_progress", "stale_temp_captures", "STALE_TMP_AGE_S"]
+__all__ = ["RunWatch", "save_progress", "load_progress", "stale_temp_captures", "STALE_TMP_AGE_S",
+           "pid_alive", "same_run", "remove_stale_temps"]
 
 log = logging.getLogger("sentineld.daemon")
 
@@ -310,3 +311,43 @@ def load_progress(path: Path) -> dict[str, Any] | None:
         return obj if isinstance(obj, dict) else None
     except (OSError, ValueError):
         return None
+
+
+def pid_alive(pid: int) -> bool:
+    """True when a process ``pid`` exists on this host (ours or not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def same_run(run_dir: Path, saved: dict[str, Any]) -> bool:
+    """False when saved progress belongs to another run than the one now in ``run_dir`` (its
+    ``started_s`` differs); True when it matches or cannot be told (older progress, bad run.json)."""
+    started = saved.get("started_s")
+    if not isinstance(started, (int, float)):
+        return True
+    try:
+        return read_run_meta(run_dir).started_s == started
+    except RunDirError:
+        return True
+
+
+def remove_stale_temps(rw: RunWatch) -> int:
+    """Delete :func:`stale_temp_captures` of ``rw`` (a SIGKILL during a capture write leaves up to
+    hundreds of MB); returns how many were removed."""
+    import socket  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    n = 0
+    for p in stale_temp_captures(rw, time.time(), socket.gethostname(), pid_alive):
+        try:
+            p.unlink()
+        except OSError:
+            continue
+        n += 1
+        log.info("run %s: removed %s, a capture its killed process never finished", rw.run_id, p.name)
+    return n

@@ -36,7 +36,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
 
-from sentineld.contracts.rundir import RunDirError, make_private_dir, parse_capture_name, read_run_meta
+from sentineld.contracts.rundir import make_private_dir, parse_capture_name
 from sentineld.contracts.triggers import CRASH
 from sentineld.daemon.am_incident import no_recipe_outcome, verdict_may_come
 from sentineld.daemon.daemon_config import DaemonConfig
@@ -47,7 +47,7 @@ from sentineld.daemon.notifier import Notifier
 from sentineld.daemon.outbox import Outbox, notification_id
 from sentineld.daemon.policy import Active, Decision, active_from_dict, decide, due_holds
 from sentineld.daemon.replay_runner import ReplayOutcome
-from sentineld.daemon.runwatch import RunWatch, load_progress, save_progress, stale_temp_captures
+from sentineld.daemon.runwatch import RunWatch, load_progress, remove_stale_temps, same_run, save_progress
 from sentineld.daemon.statedir import (
     destination_secret,
     take_lock,
@@ -233,7 +233,7 @@ class Daemon:
         if rw is None:
             rw = RunWatch(run_dir, window=self.cfg.window)
             saved = load_progress(self._progress_path(run_dir))
-            if saved and not _same_run(run_dir, saved):
+            if saved and not same_run(run_dir, saved):
                 log.info("run dir %s holds a new run since the last daemon; watching it from the start", run_dir)
                 saved = None
             if saved:
@@ -245,17 +245,6 @@ class Daemon:
                     self.notifier.am_fire_quietly(rw, active_from_dict(act))
             self.runs[key] = rw
         return rw
-
-    def _remove_stale_temps(self, rw: RunWatch) -> None:
-        """Delete the unfinished captures of this host's dead training processes (a SIGKILL during
-        a capture write leaves up to hundreds of MB); counted in status (``stale_temps_removed``)."""
-        for p in stale_temp_captures(rw, time.time(), socket.gethostname(), _pid_alive):
-            try:
-                p.unlink()
-            except OSError:
-                continue
-            self.stale_temps_removed += 1
-            log.info("run %s: removed %s, a capture its killed process never finished", rw.run_id, p.name)
 
     def _forget(self, key: str) -> None:
         """Drop what is known of the run at path ``key`` (a new run replaced it)."""
@@ -303,7 +292,7 @@ class Daemon:
         if now - self._rings_checked.get(str(run_dir), 0.0) >= self.cfg.poll_s:
             self._rings_checked[str(run_dir)] = now
             self._recoverer.offer(rw)
-            self._remove_stale_temps(rw)
+            self.stale_temps_removed += remove_stale_temps(rw)  # counted in status
         if self.cfg.replay:
             self._replayer.offer(rw)
         if changed:
@@ -496,29 +485,6 @@ class Daemon:
             if self.notifier.write_error is None:
                 log.error("cannot write status.json: %s", exc)
             self.notifier.write_error = f"status.json: {exc}"
-
-
-def _pid_alive(pid: int) -> bool:
-    """True when a process ``pid`` exists on this host (ours or not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _same_run(run_dir: Path, saved: dict[str, Any]) -> bool:
-    """False when saved progress belongs to another run than the one now in ``run_dir`` (its
-    ``started_s`` differs); True when it matches or cannot be told (older progress, bad run.json)."""
-    started = saved.get("started_s")
-    if not isinstance(started, (int, float)):
-        return True
-    try:
-        return read_run_meta(run_dir).started_s == started
-    except RunDirError:
-        return True
 
 
 def _all_signatures() -> list[tuple[str, str]]:

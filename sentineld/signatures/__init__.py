@@ -18,26 +18,21 @@ One module per detector family: ``numerics`` (nonfinite, loss_scale_collapse), `
 
 from .activations import DeadReluConfig, SaturationConfig, detect_dead_relu, detect_saturated_activation
 from .base import SIGNATURES, Severity, Verdict
+from .divergence import DivergenceGrowthConfig, DivergenceSpikeConfig, detect_divergence_growth, detect_divergence_spike
 from .evaluate import evaluate
 from .gradients import (
                           ExplodingConfig,
                           MissingGradientsConfig,
                           VanishingConfig,
-                          ZeroGradConfig,
                           detect_exploding_gradients,
-                          detect_forgotten_zero_grad,
                           detect_missing_gradients,
                           detect_vanishing_gradients,
 )
 from .liveness import StalledConfig, detect_stalled
 from .loss import (
-                          DivergenceGrowthConfig,
-                          DivergenceSpikeConfig,
                           InitialLossConfig,
                           OscillationConfig,
                           PlateauConfig,
-                          detect_divergence_growth,
-                          detect_divergence_spike,
                           detect_initial_loss,
                           detect_oscillation,
                           detect_plateau,
@@ -45,6 +40,7 @@ from .loss import (
 from .numerics import LossScaleConfig, NonfiniteConfig, detect_loss_scale_collapse, detect_nonfinite
 from .signature_config import SignatureConfig
 from .updates import NotAppliedConfig, UpdateRatioConfig, detect_gradients_not_applied, detect_update_ratio
+from .zero_grad import ZeroGradConfig, detect_forgotten_zero_grad
 
 __all__ = [
     "evaluate", "Verdict", "Severity", "SIGNATURES", "SignatureConfig",

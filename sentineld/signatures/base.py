@@ -22,6 +22,7 @@ from typing import Any, Iterator, Literal, Mapping, Sequence
 from sentineld.contracts.records import LayerStats, StepRecord
 
 __all__ = ["Verdict", "Severity", "SIGNATURES", "make_verdict", "as_float", "finite", "median",
+           "positive_ints", "chance_loss",
            "robust_sigma", "finite_losses", "chunk_medians", "tail", "trailing", "sampled_layers",
            "layer_value", "step_of"]
 
@@ -204,3 +205,20 @@ def _step(record: Any) -> int:
 def step_of(record: Any) -> int:
     """``record.step`` as an int (0 when unusable)."""
     return _step(record)
+
+
+def positive_ints(cfg: object, name: str, *fields: str) -> None:
+    """Raise ValueError unless each named field of a config is an int >= 1."""
+    for f in fields:
+        v = getattr(cfg, f)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}.{f} must be an int >= 1, got {v!r}")
+
+
+def chance_loss(num_classes: int | None) -> float | None:
+    """ln(C), the cross-entropy of a uniform guess over C >= 2 classes, else None."""
+    try:
+        c = int(num_classes) if num_classes is not None else 0
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return math.log(c) if c >= 2 else None

@@ -13,16 +13,14 @@ from sentineld.contracts.records import StepRecord
 
 from .activations import detect_dead_relu, detect_saturated_activation
 from .base import Verdict
+from .divergence import detect_divergence_growth, detect_divergence_spike
 from .gradients import (
     detect_exploding_gradients,
-    detect_forgotten_zero_grad,
     detect_missing_gradients,
     detect_vanishing_gradients,
 )
 from .liveness import detect_stalled
 from .loss import (
-    detect_divergence_growth,
-    detect_divergence_spike,
     detect_initial_loss,
     detect_oscillation,
     detect_plateau,
@@ -30,6 +28,7 @@ from .loss import (
 from .numerics import detect_loss_scale_collapse, detect_nonfinite
 from .signature_config import SignatureConfig
 from .updates import detect_gradients_not_applied, detect_update_ratio
+from .zero_grad import detect_forgotten_zero_grad
 
 __all__ = ["evaluate"]
 

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from .activations import DeadReluConfig, SaturationConfig
-from .gradients import ExplodingConfig, MissingGradientsConfig, VanishingConfig, ZeroGradConfig
+from .divergence import DivergenceGrowthConfig, DivergenceSpikeConfig
+from .gradients import ExplodingConfig, MissingGradientsConfig, VanishingConfig
 from .liveness import StalledConfig
-from .loss import DivergenceGrowthConfig, DivergenceSpikeConfig, InitialLossConfig, OscillationConfig, PlateauConfig
+from .loss import InitialLossConfig, OscillationConfig, PlateauConfig
 from .numerics import LossScaleConfig, NonfiniteConfig
 from .updates import NotAppliedConfig, UpdateRatioConfig
+from .zero_grad import ZeroGradConfig
 
 __all__ = ["SignatureConfig"]
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from sentineld.contracts.records import LayerStats, StepRecord
 from sentineld.signatures import SIGNATURES, SignatureConfig, Verdict, evaluate
-from sentineld.signatures import activations, gradients, liveness, loss, numerics, updates
+from sentineld.signatures import activations, divergence, gradients, liveness, loss, numerics, updates, zero_grad
 
 CFG = SignatureConfig()
 ODD_FLOATS = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True),
@@ -50,8 +50,8 @@ def odd_window(draw: Any) -> list[StepRecord]:
 DETECTORS = [
     lambda r: numerics.detect_nonfinite(r, CFG.nonfinite),
     lambda r: numerics.detect_loss_scale_collapse(r, CFG.loss_scale_collapse),
-    lambda r: loss.detect_divergence_spike(r, CFG.divergence_spike, 10),
-    lambda r: loss.detect_divergence_growth(r, CFG.divergence_growth, 10),
+    lambda r: divergence.detect_divergence_spike(r, CFG.divergence_spike, 10),
+    lambda r: divergence.detect_divergence_growth(r, CFG.divergence_growth, 10),
     lambda r: loss.detect_plateau(r, CFG.plateau, None),
     lambda r: loss.detect_plateau(r, CFG.plateau, 10),
     lambda r: loss.detect_oscillation(r, CFG.oscillation, 3),
@@ -62,7 +62,7 @@ DETECTORS = [
         ).exploding_gradients),
     lambda r: gradients.detect_vanishing_gradients(r, CFG.vanishing_gradients),
     lambda r: gradients.detect_missing_gradients(r, CFG.missing_gradients),
-    lambda r: gradients.detect_forgotten_zero_grad(r, CFG.forgotten_zero_grad),
+    lambda r: zero_grad.detect_forgotten_zero_grad(r, CFG.forgotten_zero_grad),
     lambda r: updates.detect_gradients_not_applied(r, CFG.gradients_not_applied),
     lambda r: updates.detect_update_ratio(r, CFG.update_ratio),
     lambda r: activations.detect_dead_relu(r, CFG.dead_relu),

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .result import FAIL, PASS, WARN, Check, overall_ok, to_json_dict
+from .result import FAIL, PASS, SKIP, WARN, Check, overall_ok, to_json_dict
 
-__all__ = ["check", "check_recipe", "Check", "PASS", "WARN", "FAIL", "overall_ok", "to_json_dict"]
+__all__ = ["check", "check_recipe", "Check", "PASS", "WARN", "FAIL", "SKIP", "overall_ok", "to_json_dict"]
 
 
 def __getattr__(name: str) -> Any:

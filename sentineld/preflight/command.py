@@ -20,13 +20,13 @@ import click
 
 from sentineld.contracts.errors import EXIT_BAD_INPUT, EXIT_OK
 
-from .result import FAIL, PASS, WARN, Check, overall_ok, to_json_dict
+from .result import FAIL, PASS, SKIP, WARN, Check, overall_ok, to_json_dict
 
 __all__ = ["preflight", "render"]
 
 #: A check failed (0 and 2 are the CLI's, from sentineld.contracts.errors).
 EXIT_FAILED = 1
-_STYLE = {PASS: "green", WARN: "yellow", FAIL: "bold red"}
+_STYLE = {PASS: "green", WARN: "yellow", FAIL: "bold red", SKIP: "dim"}
 
 
 def _bad(message: str) -> None:
@@ -77,9 +77,10 @@ def render(checks: list[Check]) -> None:
         for row in shapes.evidence["table"]:
             st.add_row(*row)
         console.print(st)
-    n = {s: sum(c.status == s for c in checks) for s in (PASS, WARN, FAIL)}
+    n = {s: sum(c.status == s for c in checks) for s in (PASS, WARN, FAIL, SKIP)}
     verdict = "[green]ok[/]" if overall_ok(checks) else "[bold red]failed[/]"
-    console.print(f"preflight {verdict}: {n[PASS]} pass, {n[WARN]} warn, {n[FAIL]} fail")
+    skipped = f", {n[SKIP]} not run (blocked by a failed check)" if n[SKIP] else ""
+    console.print(f"preflight {verdict}: {n[PASS]} pass, {n[WARN]} warn, {n[FAIL]} fail{skipped}")
 
 
 @click.command("preflight")

@@ -6,12 +6,14 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Literal
 
-__all__ = ["Check", "Status", "PASS", "WARN", "FAIL", "overall_ok", "to_json_dict"]
+__all__ = ["Check", "Status", "PASS", "WARN", "FAIL", "SKIP", "overall_ok", "to_json_dict"]
 
-Status = Literal["PASS", "WARN", "FAIL"]
+Status = Literal["PASS", "WARN", "FAIL", "SKIP"]
 PASS: Status = "PASS"
 WARN: Status = "WARN"
 FAIL: Status = "FAIL"
+#: Not run: an earlier failed check makes this one fail the same way (its evidence says which).
+SKIP: Status = "SKIP"
 
 
 @dataclass(frozen=True)
@@ -21,8 +23,9 @@ class Check:
     Attributes:
         name: the check's short name (``labels``, ``inputs``, ``output_vs_loss`` ...), in the
             method's priority order in the list :func:`sentineld.preflight.check` returns.
-        status: ``PASS``, ``WARN`` (look at it, training may still work) or ``FAIL`` (a bug the
-            method names; fix it before a long run).
+        status: ``PASS``, ``WARN`` (look at it, training may still work), ``FAIL`` (a bug the
+            method names; fix it before a long run) or ``SKIP`` (could not run because of an
+            earlier failed check, named in ``evidence["blocked_by"]``: fix that one first).
         message: one sentence saying what was seen.
         evidence: the numbers behind the verdict (JSON-ready: str, int, float, lists, dicts).
         fix: what the method says to do, empty on PASS.
@@ -35,8 +38,8 @@ class Check:
     fix: str = ""
 
     def __post_init__(self) -> None:
-        if self.status not in (PASS, WARN, FAIL):
-            raise ValueError(f"status must be PASS, WARN or FAIL, got {self.status!r}")
+        if self.status not in (PASS, WARN, FAIL, SKIP):
+            raise ValueError(f"status must be PASS, WARN, FAIL or SKIP, got {self.status!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """The check as a JSON-ready dict (keys: name, status, message, evidence, fix)."""
@@ -44,7 +47,7 @@ class Check:
 
 
 def overall_ok(checks: Iterable[Check]) -> bool:
-    """True when no check failed (warnings do not fail a preflight)."""
+    """True when no check failed (warnings do not fail a preflight; a skipped check has a failed blocker)."""
     return all(c.status != FAIL for c in checks)
 
 

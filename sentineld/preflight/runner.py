@@ -15,7 +15,7 @@ from .data_checks import check_inputs, check_labels
 from .grad_checks import check_gradcheck, check_gradient_flow, check_gradients_applied
 from .loss_checks import check_initial_loss, check_output_vs_loss, check_shapes
 from .lossinfo import loss_info
-from .result import FAIL, Check
+from .result import FAIL, SKIP, Check
 from .trace import trace_forward
 from .training import check_lr_range, check_overfit
 from .units import check_dead_units
@@ -26,15 +26,46 @@ __all__ = ["check", "check_recipe"]
 OVERFIT_SAMPLES = 32
 
 
-def _safe(name: str, fn: Callable[[], Check]) -> Check:
-    """Run one check; an exception from the user's code (or ours) is a FAIL with its traceback."""
+def _safe(name: str, fn: Callable[[], Check]) -> tuple[Check, str | None]:
+    """Run one check; an exception from the user's code (or ours) is a FAIL with its traceback.
+
+    Returns:
+        The check and, when it raised, the error as ``"Type: message"`` (else None).
+    """
     try:
-        return fn()
+        return fn(), None
     except Exception as exc:  # noqa: BLE001 - the user's loss_fn/model can raise anything
         tb = traceback.format_exception(exc)
-        return Check(name, FAIL, f"the check could not run: {type(exc).__name__}: {exc}",
+        error = f"{type(exc).__name__}: {exc}"
+        return Check(name, FAIL, f"the check could not run: {error}",
                      {"traceback": "".join(tb[-3:])[-2000:]},
-                     "fix the error first: it happens in one forward/backward/step of your code")
+                     "fix the error first: it happens in one forward/backward/step of your code"), error
+
+
+#: Checks on the data itself: when one of them fails, a later check that raises is taken as
+#: raising because of that data (labels out of range make every cross-entropy raise).
+_DATA_CHECKS = ("labels", "inputs")
+
+
+def _run_in_order(steps: list[tuple[str, Callable[[], Check]]]) -> list[Check]:
+    """Run the checks in order; one that raises after a failed data check, or with the same error
+    as an earlier check, is SKIP (blocked by that check) instead of one more FAIL with a traceback:
+    the user has one thing to fix, and the list says so."""
+    out: list[Check] = []
+    errors: dict[str, str] = {}  # error text -> first check that raised it
+    for name, fn in steps:
+        c, error = _safe(name, fn)
+        if error is not None:
+            blocker = next((d.name for d in out if d.name in _DATA_CHECKS and d.status == FAIL), None)
+            blocker = blocker or errors.get(error)
+            if blocker is not None:
+                c = Check(name, SKIP, f"not run: it raises ({error.rstrip('.')}) because the {blocker} check failed",
+                          {"blocked_by": blocker, "error": error[:500]},
+                          f"fix the {blocker} check first, then rerun preflight")
+            else:
+                errors[error] = name
+        out.append(c)
+    return out
 
 
 def _take(batches: Iterable[Any], n: int) -> list[Any]:
@@ -109,18 +140,20 @@ def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
         trace = partial.error if partial.error is not None else partial
         if probe.num_classes is None:
             probe.num_classes = info.num_classes
-        checks = [_safe("labels", lambda: check_labels(probe, info)),
-                  _safe("inputs", lambda: check_inputs(probe)),
-                  _safe("output_vs_loss", lambda: check_output_vs_loss(_need(trace))),
-                  _safe("initial_loss", lambda: check_initial_loss(_need(trace), info, probe.num_classes)),
-                  _safe("gradient_flow", lambda: check_gradient_flow(probe)),
-                  _safe("gradients_applied", lambda: check_gradients_applied(probe)),
-                  _safe("shapes", lambda: check_shapes(_need(trace))),
-                  _safe("gradcheck", lambda: check_gradcheck(_need(trace))),
-                  _safe("dead_units", lambda: check_dead_units(_need(trace))),
-                  _safe("overfit_one_batch", lambda: check_overfit(probe, overfit_steps))]
+        steps: list[tuple[str, Callable[[], Check]]] = [
+            ("labels", lambda: check_labels(probe, info)),
+            ("inputs", lambda: check_inputs(probe)),
+            ("output_vs_loss", lambda: check_output_vs_loss(_need(trace))),
+            ("initial_loss", lambda: check_initial_loss(_need(trace), info, probe.num_classes)),
+            ("gradient_flow", lambda: check_gradient_flow(probe)),
+            ("gradients_applied", lambda: check_gradients_applied(probe)),
+            ("shapes", lambda: check_shapes(_need(trace))),
+            ("gradcheck", lambda: check_gradcheck(_need(trace))),
+            ("dead_units", lambda: check_dead_units(_need(trace))),
+            ("overfit_one_batch", lambda: check_overfit(probe, overfit_steps))]
         if lr_range:
-            checks.append(_safe("lr_range", lambda: check_lr_range(probe, lr_plot)))
+            steps.append(("lr_range", lambda: check_lr_range(probe, lr_plot)))
+        checks = _run_in_order(steps)
     return _point_overfit_at_failures(checks)
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sentineld.preflight import FAIL, PASS, WARN, Check, check, to_json_dict
+from sentineld.preflight import FAIL, PASS, SKIP, WARN, Check, check, to_json_dict
 from sentineld.preflight.context import slice_batch, split_batch
 from sentineld.preflight.grad_checks import check_gradcheck
 from sentineld.preflight.loss_checks import INIT_LOSS_PASS, check_initial_loss, check_output_vs_loss, check_shapes
@@ -244,3 +244,44 @@ def test_a_non_scalar_loss_is_a_shape_failure() -> None:
     loss = lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")  # noqa: E731 - [B]
     c = check_shapes(_trace(lambda z: z, loss))
     assert c.status == FAIL and c.evidence["loss_shape"] == [32]
+
+
+def test_labels_out_of_range_block_the_later_checks_instead_of_failing_each_with_a_traceback() -> None:
+    # Regression: labels 1..5 for a 5-class loss made every later check FAIL with the same
+    # IndexError traceback (8 FAILs for one bug); the later checks are SKIP, blocked by labels.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [(torch.randn(32, 8), torch.randint(1, 6, (32,))) for _ in range(4)]
+    checks = {c.name: c for c in check(model, opt, _ce, batches)}
+    assert checks["labels"].status == FAIL
+    assert checks["inputs"].status == PASS  # ran: it does not touch the loss
+    blocked = [n for n, c in checks.items() if c.status == SKIP]
+    assert blocked == ["output_vs_loss", "initial_loss", "gradient_flow", "gradients_applied", "shapes",
+                       "gradcheck", "dead_units", "overfit_one_batch"]
+    for n in blocked:
+        assert checks[n].evidence["blocked_by"] == "labels"
+        assert "Target 5 is out of bounds" in checks[n].evidence["error"]
+        assert "traceback" not in checks[n].evidence
+    assert [c.name for c in checks.values() if c.status == FAIL] == ["labels"]
+
+
+def test_the_same_error_from_the_model_is_one_fail_then_blocked() -> None:
+    # A model whose forward raises: the first check that runs it FAILs with the traceback, every
+    # later check raising the same error is blocked by that one, not a second copy of it.
+    class Broken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(20, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x[:, :7])  # wrong slice: mat1 and mat2 shapes cannot be multiplied
+
+    model = Broken()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    checks = check(model, opt, _ce, tabular())
+    failed = [c for c in checks if c.status == FAIL]
+    assert len(failed) == 1 and "traceback" in failed[0].evidence
+    skipped = [c for c in checks if c.status == SKIP]
+    assert skipped and all(c.evidence["blocked_by"] == failed[0].name for c in skipped)
+    assert len(failed) + len(skipped) + sum(c.status in (PASS, WARN) for c in checks) == len(checks)

@@ -9,7 +9,7 @@ high, far smaller that it is too low.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from sentineld.contracts.records import StepRecord
 
@@ -94,6 +94,10 @@ def detect_gradients_not_applied(records: Sequence[StepRecord], config: NotAppli
                                  ) -> list[Verdict]:
     """Report gradients that are computed but never change the parameters.
 
+    Three tells, most direct first: (a) ``optimizer.step()`` not running, in a run that has no
+    GradScaler to explain it; (b) a learning rate of exactly zero while gradients flow; (c) on
+    the sampled steps, modules whose update ratio is 0 although their gradients are non-zero.
+
     Args:
         records: step records, oldest first.
         config: thresholds.
@@ -103,40 +107,49 @@ def detect_gradients_not_applied(records: Sequence[StepRecord], config: NotAppli
     """
     if not config.enabled or not records:
         return []
-    # (a) optimizer.step() not running, in a run that has no GradScaler to explain it
+    return _optimizer_not_stepping(records, config) or _zero_lr(records, config) \
+        or _modules_not_updated(records, config)
+
+
+def _trailing_run(records: Sequence[StepRecord], pred: Callable[[StepRecord], bool], cap: int
+                  ) -> tuple[int, StepRecord | None]:
+    """Length (at most ``cap``) and first record of the run of trailing records where ``pred`` holds."""
     run, first = 0, None
     for r in trailing(records):
-        if getattr(r, "optimizer_skipped", False) and finite(getattr(r, "loss_scale", None)) is None:
-            run += 1
-            first = r
-            if run >= config.skip_steps:
-                break
-        else:
+        if not pred(r):
             break
-    if run >= config.skip_steps and first is not None:
-        step = step_of(first)
-        msg = (f"optimizer.step() did not run on {run} steps in a row from step {step} "
-               "(no GradScaler to skip it)")
-        return [make_verdict("gradients_not_applied", step, msg, {"skipped_steps": run},
-                             NOT_APPLIED_FIX)]
-    # (c) learning rate exactly zero while gradients flow
-    run, first = 0, None
-    for r in trailing(records):
-        lr = finite(getattr(r, "lr", None))
+        run, first = run + 1, r
+        if run >= cap:
+            break
+    return run, first
+
+
+def _optimizer_not_stepping(records: Sequence[StepRecord], config: NotAppliedConfig) -> list[Verdict]:
+    run, first = _trailing_run(
+        records, lambda r: bool(getattr(r, "optimizer_skipped", False))
+        and finite(getattr(r, "loss_scale", None)) is None, config.skip_steps)
+    if run < config.skip_steps or first is None:
+        return []
+    step = step_of(first)
+    msg = (f"optimizer.step() did not run on {run} steps in a row from step {step} "
+           "(no GradScaler to skip it)")
+    return [make_verdict("gradients_not_applied", step, msg, {"skipped_steps": run}, NOT_APPLIED_FIX)]
+
+
+def _zero_lr(records: Sequence[StepRecord], config: NotAppliedConfig) -> list[Verdict]:
+    def flowing_at_zero_lr(r: StepRecord) -> bool:
         g = finite(getattr(r, "grad_norm", None))
-        if lr == 0.0 and g is not None and g > 0:
-            run += 1
-            first = r
-            if run >= config.zero_lr_steps:
-                break
-        else:
-            break
-    if run >= config.zero_lr_steps and first is not None:
-        step = step_of(first)
-        msg = f"learning rate is 0 on {run} steps in a row from step {step} while gradients flow"
-        return [make_verdict("gradients_not_applied", step, msg, {"lr": 0.0, "steps": run},
-                             NOT_APPLIED_FIX)]
-    # (b) update ratios from the sampled steps
+        return finite(getattr(r, "lr", None)) == 0.0 and g is not None and g > 0
+
+    run, first = _trailing_run(records, flowing_at_zero_lr, config.zero_lr_steps)
+    if run < config.zero_lr_steps or first is None:
+        return []
+    step = step_of(first)
+    msg = f"learning rate is 0 on {run} steps in a row from step {step} while gradients flow"
+    return [make_verdict("gradients_not_applied", step, msg, {"lr": 0.0, "steps": run}, NOT_APPLIED_FIX)]
+
+
+def _modules_not_updated(records: Sequence[StepRecord], config: NotAppliedConfig) -> list[Verdict]:
     samples = sampled_layers(records, config.layer_patience)
     if len(samples) < config.layer_patience:
         return []

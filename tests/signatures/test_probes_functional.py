@@ -97,8 +97,9 @@ def test_saturation_functional_and_worst_call_reported() -> None:
         model.fc1.weight.mul_(100.0)
     with attach_probes(model, None, every=1) as probes:
         stats = one_step(model, probes)
-    assert (stats[""].saturated_fraction or 0.0) > 0.5 and stats[""].activation == "tanh"
-    assert (stats["inner.1"].saturated_fraction or 1.0) < 0.5 and stats["inner.1"].activation == "sigmoid"
+    root, inner = stats[""].saturated_fraction, stats["inner.1"].saturated_fraction
+    assert root is not None and root > 0.5 and stats[""].activation == "tanh"
+    assert inner is not None and inner < 0.5 and stats["inner.1"].activation == "sigmoid"
     assert stats[""].dead_fraction is None and stats["inner.1"].dead_fraction is None
 
 

@@ -250,3 +250,49 @@ def test_onset_table(capsys: pytest.CaptureFixture[str]) -> None:
         print(f"\n{'model':<14} {'planted':<22} {'true onset':>10} {'reported':>9}")
         for (kind, fault), (true, got) in ONSETS.items():
             print(f"{kind:<14} {fault:<22} {true:>10} {got:>9}")
+
+
+@pytest.mark.parametrize("fault", ["bias -100 at 0", "lr 1.0 from step 2"])
+def test_agent_stream_read_by_the_daemons_reader(tmp_path: Any, fault: str) -> None:
+    """End to end through the real agent (``attach`` with its default ``layer_every``, the model
+    calling ``F.relu`` in a block's forward) and the daemon's stream reader (``RunWatch``), read
+    one record per poll and 100 per poll (its catch-up slice): the same onset, near the truth."""
+    from sentineld.agent import attach  # noqa: PLC0415
+    from sentineld.daemon.runwatch import RunWatch  # noqa: PLC0415
+
+    kind = KINDS["F.relu"]
+    torch.manual_seed(0)
+    model = kind.build()
+    KIND_OF[id(model)] = kind
+    truth: list[float] = []
+    kind.linear(model).register_forward_hook(lambda m, a, out: truth.append(kind.truth(out.detach())))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    watch = attach(model, opt, run_id="onset", runs_dir=tmp_path, metrics_port=0)
+    assert watch.config.layer_every == EVERY
+    data = batches(*digits(), 64)
+    for s in range(60):
+        FAULTS[fault](s, model, opt, None)
+        x, y = next(data)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        watch.step(loss, (x, y))
+    watch.close()
+    KIND_OF.pop(id(model), None)
+    cfg = CFG.dead_relu
+    true = true_onset(truth, cfg.max_fraction, cfg.release_fraction)
+    assert true is not None
+    named = []
+    for per_poll in (1, 100):
+        rw = RunWatch(watch.run_dir)
+        found = None
+        while found is None:
+            new, _ = rw.poll(max_records=per_poll)
+            if not new:
+                break
+            found = next((v for v in evaluate(list(rw.records[0]), CFG, num_classes=10)
+                          if v.signature == "dead_relu"), None)
+        assert found is not None and found.module == "blocks.1"
+        named.append(found.step)
+    assert named[0] == named[1] and 0 <= named[0] - true <= 10, (true, named)

@@ -273,6 +273,8 @@ class ActivationProbe:
         name = self._names.get(id(module))
         if name is None:
             return                              # not the model's: its calls go to the caller
+        if not self._frames and not torch.is_grad_enabled():
+            return      # an evaluation pass: nothing to measure, and no mode to change its path
         self._frames.append(_Frame(module, name))
         if len(self._frames) == 1 and self._mode is None:
             self._mode = _Mode(self)

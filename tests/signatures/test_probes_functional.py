@@ -225,3 +225,58 @@ def test_onset_does_not_depend_on_when_it_is_read(fracs: list[float]) -> None:
             assert now["act"][0] == named
     end = onsets(rs, "dead_fraction", c.max_fraction, c.release_fraction, c.patience)
     assert (end["act"][0] if "act" in end else None) == named
+
+
+def test_function_mode_does_not_change_training_bit_for_bit() -> None:
+    """A transformer with dropout and GELU trained with every step sampled (the mode on in every
+    forward) ends with exactly the parameters of the same run without probes; the eval pass in
+    between (no grad: the mode stays off, MHA's fast path is free to run) gives equal outputs."""
+    def run(with_probes: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True,
+                                           activation="gelu")
+        model = nn.Sequential(nn.Linear(4, 16), layer)
+        opt = torch.optim.AdamW(model.parameters(), 1e-2)
+        probes = attach_probes(model, opt, every=1) if with_probes else None
+        g = torch.Generator().manual_seed(1)
+        evals = []
+        for s in range(4):
+            x = torch.randn(3, 5, 4, generator=g)
+            if probes:
+                probes.begin_step(s)
+            model.train()
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            model.eval()
+            with torch.no_grad():
+                evals.append(model(x))
+            if probes:
+                assert probes.collect() is not None
+        if probes:
+            probes.remove()
+        return [p.detach().clone() for p in model.parameters()], torch.stack(evals)
+    (a, ea), (b, eb) = run(False), run(True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and torch.equal(ea, eb)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on the CI machine)")
+def test_cuda_sampled_forward_and_backward_do_not_sync() -> None:
+    """On CUDA the activation probe adds no host-device sync to a sampled step's forward,
+    backward and optimizer step; the one read-back is collect()'s, as before."""
+    model = Net(F.gelu).cuda()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    x, y = torch.randn(64, 6, device="cuda"), torch.randint(0, 3, (64,), device="cuda")
+    with attach_probes(model, opt, every=1) as probes:
+        for s in range(2):
+            probes.begin_step(s)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            stats = probes.collect()
+            assert stats[""].dead_fraction is not None

@@ -281,7 +281,8 @@ class ActivationProbe:
             self._mode.__enter__()
 
     def _pop(self, module: nn.Module, args: Any, out: Any) -> None:
-        if not self._frames or self._frames[-1].module is not module:
+        if not self._frames or self._frames[-1].module is not module \
+                or threading.get_ident() != self._thread:
             return
         self._frames.pop()
         if not self._frames:

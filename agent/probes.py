@@ -11,16 +11,23 @@ Usage (the agent does this; a plain loop can too)::
         layers = probes.collect()            # dict[str, LayerStats] on sampled steps, else None
     probes.remove()                          # model and optimizer exactly as before
 
-What is measured on a sampled step (``step % every == 0``), per module from ``named_modules()``:
+When a step is sampled: every step for the first ``dense`` steps of the run (16 by default),
+then every 2, 4, 8 ... steps (the gap doubles each time the step count doubles), until the gap
+reaches ``every``; from then on every ``every`` steps (``step % every == 0``). So a unit that
+dies early (a too-high learning rate kills units within a few steps) is seen within a few
+steps of its death: the gap at step s is at most max(1, s / dense), capped at ``every``
+(:func:`sampled_at`). The dense head costs ``dense`` + ~``dense`` log2(every / 2) extra
+sampled steps once per run (bench/probes_cost.py).
 
-- ReLU-family outputs (ReLU, ReLU6, GELU, SiLU, ELU, CELU, SELU, Mish, Hardswish):
-  ``dead_fraction``, the share of units never > 0 over the whole batch (all micro-batches and
-  calls of the step). A unit is a feature: dim 1 of (B, F) and (B, C, H, W...), the last dim of
-  (B, T, F).
-- Tanh / Sigmoid outputs: ``saturated_fraction``, the share of output values over the batch that
-  are saturated (|tanh| > 0.99, sigmoid < 0.01 or > 0.99; DeepDiagnosis's measure). The
-  activation whose output is the model's output is left out (a confident sigmoid prediction is
-  not a fault).
+What is measured on a sampled step, per module from ``named_modules()``:
+
+- Activations wherever they are computed (``nn.ReLU`` modules, ``F.relu`` / ``torch.relu`` /
+  ``F.gelu`` / ``torch.tanh`` ... inside a ``forward``), attributed to the innermost module
+  that made the call (``sentineld.agent.actprobe``): ``dead_fraction`` for the ReLU family
+  (units never active over the batch: never > 0 for ReLU, input always in the flat negative
+  region for GELU/SiLU/...), ``saturated_fraction`` for tanh/sigmoid (DeepDiagnosis's measure),
+  and ``activation``, the call they were measured on. With several calls in one module, the
+  worst one is reported. The activation whose output is the model's output is left out.
 - Modules with their own trainable parameters (``recurse=False``): ``grad_norm`` (L2, taken in
   the optimizer's step pre-hook, i.e. after GradScaler unscaling and clipping; at ``collect`` for
   parameters no attached optimizer stepped), ``param_norm`` (L2, after the step), and
@@ -29,7 +36,8 @@ What is measured on a sampled step (``step % every == 0``), per module from ``na
   stepped, e.g. GradScaler skipped the step or the loop never calls ``step()``).
 
 Cost: on other steps every hook returns at its first line and nothing touches a tensor, so no
-host-device synchronisation is added. On a sampled step the probes copy the optimizer's
+host-device synchronisation is added (the activation probe's module hooks and function mode
+exist only during sampled steps). On a sampled step the probes copy the optimizer's
 parameters once (memory: one extra copy of them until the step ends) and ``collect`` reads all
 figures back in one transfer (one synchronisation on CUDA). bench/probes_cost.py measures it.
 
@@ -49,27 +57,41 @@ from torch import nn
 
 from sentineld.contracts.records import LayerStats
 
-__all__ = ["ProbeHandle", "attach_probes", "RELU_FAMILY", "SATURATING"]
+from .actprobe import ActivationProbe
+
+__all__ = ["ProbeHandle", "attach_probes", "sampled_at", "DENSE_STEPS"]
 
 log = logging.getLogger("sentineld.agent")
 
-#: Activation modules whose units can die (output never > 0).
-RELU_FAMILY: tuple[type[nn.Module], ...] = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.ELU, nn.CELU,
-                                            nn.SELU, nn.Mish, nn.Hardswish)
-#: Activation modules that saturate, with the band outside which an output counts as saturated.
-SATURATING: dict[type[nn.Module], tuple[float, float]] = {nn.Tanh: (-0.99, 0.99),
-                                                          nn.Sigmoid: (0.01, 0.99)}
+#: Steps sampled one after the other at the start of a run. 16: a learning rate high enough to
+#: kill units does so within the first few steps (tests/signatures/test_dead_onset.py: step ~2);
+#: the gap then grows with the step (at most step / 16), so the onset of an early death is named
+#: within a few steps, as the method asks of the first steps ("check the first steps").
+DENSE_STEPS = 16
 
 
-def _unit_reduce_dims(t: torch.Tensor) -> tuple[int, ...] | None:
-    """Dims to reduce so one value per unit (feature) remains; None for a scalar."""
-    if t.dim() == 0:
-        return None
-    if t.dim() == 1:
-        return ()
-    if t.dim() == 3:
-        return (0, 1)
-    return tuple(d for d in range(t.dim()) if d != 1)
+def sampled_at(step: int, every: int, dense: int = DENSE_STEPS, first: int = 0) -> bool:
+    """True when step ``step`` is sampled.
+
+    Args:
+        step: the optimizer step (>= ``first``).
+        every: the steady sampling period (>= 1).
+        dense: steps sampled one after the other first (0: plain ``step % every == 0``).
+        first: the run's first step (a resumed run starts later; it samples densely again).
+
+    Returns:
+        With ``r = step - first``: True for r < ``dense``; then for r a multiple of the gap
+        2**floor(log2(r // dense)) while that gap is below ``every``; then for
+        ``step % every == 0`` (the steady cadence, aligned as without a dense head).
+    """
+    r = step - first
+    if r < dense:
+        return True
+    if dense > 0:
+        gap = 1 << ((r // dense).bit_length() - 1)
+        if gap < every:
+            return r % gap == 0
+    return step % every == 0
 
 
 def _norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -101,39 +123,28 @@ class ProbeHandle:
         enabled: False once :meth:`remove` ran or an internal error switched the probes off.
     """
 
-    _last_out: tuple[str, Any] | None
-
     def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-                 every: int) -> None:
+                 every: int, dense: int = DENSE_STEPS) -> None:
         self.every = every
+        self.dense = dense
         self.enabled = True
         self._active = False
         self._step: int | None = None
+        self._first: int | None = None
         self._optimizers = list(optimizers)
-        self._hooks: list[Any] = []
-        # activation modules: name -> (kind, band)
-        self._acts: dict[str, tuple[str, tuple[float, float] | None]] = {}
         # modules with their own trainable parameters
         self._param_mods: list[tuple[str, list[nn.Parameter]]] = []
         self._tracked: set[int] = set()
+        self._acts = ActivationProbe(model)
+        self._hooks: list[Any] = self._acts.root_hooks()
         self._reset()
 
         for name, module in model.named_modules():
-            if isinstance(module, RELU_FAMILY):
-                self._acts[name] = ("dead", None)
-            else:
-                band = next((b for cls, b in SATURATING.items() if isinstance(module, cls)), None)
-                if band is not None:
-                    self._acts[name] = ("saturated", band)
-            if name in self._acts:
-                self._hooks.append(module.register_forward_hook(self._make_act_hook(name)))
             params = [p for p in module.parameters(recurse=False) if p.requires_grad]
             params = [p for p in params if id(p) not in self._tracked]
             if params:
                 self._param_mods.append((name, params))
                 self._tracked.update(id(p) for p in params)
-        if self._acts:
-            self._hooks.append(model.register_forward_hook(self._on_model_output))
         for opt in self._optimizers:
             self._hooks.append(opt.register_step_pre_hook(self._on_pre_step))
             self._hooks.append(opt.register_step_post_hook(self._on_post_step))
@@ -151,12 +162,20 @@ class ProbeHandle:
             step: optimizer step index, 0-based.
 
         Returns:
-            True when this step is sampled (``step % every == 0``).
+            True when this step is sampled (:func:`sampled_at`, counted from the first step
+            declared, so a resumed run samples densely again).
         """
         if self._active:
             self._reset()          # a sampled step whose collect() never came
+        if self._first is None or step < self._first:
+            self._first = step
         self._step = step
-        self._active = self.enabled and step % self.every == 0
+        self._active = self.enabled and sampled_at(step, self.every, self.dense, self._first)
+        if self._active:
+            try:
+                self._acts.start()
+            except Exception as exc:  # noqa: BLE001 - never break training
+                self._fail(exc)
         return self._active
 
     def collect(self) -> dict[str, LayerStats] | None:
@@ -193,50 +212,6 @@ class ProbeHandle:
         self.remove()
 
     # ------------------------------------------------------------------- hooks
-    def _make_act_hook(self, name: str) -> Any:
-        def hook(module: nn.Module, args: Any, out: Any) -> None:
-            if not self._active:
-                return
-            try:
-                self._on_activation(name, out)
-            except Exception as exc:  # noqa: BLE001
-                self._fail(exc)
-        return hook
-
-    def _on_activation(self, name: str, out: Any) -> None:
-        if not isinstance(out, torch.Tensor) or not out.is_floating_point() \
-                or not torch.is_grad_enabled():
-            return
-        dims = _unit_reduce_dims(out)
-        if dims is None:
-            return
-        kind, band = self._acts[name]
-        with torch.no_grad():
-            y = out.detach()
-            if kind == "dead":
-                live = y > 0
-                if dims:
-                    live = live.any(dim=dims)
-                prev = self._live.get(name)
-                if prev is None:
-                    self._live[name] = live
-                elif prev.shape == live.shape:
-                    prev.logical_or_(live)
-                else:
-                    self._bad_shape.add(name)
-            else:
-                lo, hi = band  # type: ignore[misc]
-                sat = ((y < lo) | (y > hi)).sum()
-                prev_sat, prev_n = self._sat.get(name, (None, 0))
-                self._sat[name] = (sat if prev_sat is None else prev_sat + sat, prev_n + y.numel())
-        self._last_out = (name, out)
-
-    def _on_model_output(self, module: nn.Module, args: Any, out: Any) -> None:
-        if not self._active:
-            return
-        last, self._last_out = self._last_out, None
-        if last is not None and last[1] is out:
-            self._outputs.add(last[0])
 
     def _on_pre_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._active:
@@ -281,11 +256,8 @@ class ProbeHandle:
 
     # ------------------------------------------------------------------ helpers
     def _reset(self) -> None:
-        self._live: dict[str, torch.Tensor] = {}
-        self._sat: dict[str, tuple[torch.Tensor, int]] = {}
-        self._bad_shape: set[str] = set()
-        self._outputs: set[str] = set()
-        self._last_out: tuple[str, Any] | None = None
+        self._acts.stop()
+        self._acts.clear()
         self._gnorm: dict[int, torch.Tensor] = {}
         self._wbefore: dict[int, torch.Tensor] = {}
         self._before: dict[int, torch.Tensor] = {}
@@ -309,11 +281,10 @@ class ProbeHandle:
             return len(vals) - 1
 
         with torch.no_grad():
-            act_slots = {name: slot(1.0 - live.float().mean()) for name, live in self._live.items()
-                         if name not in self._bad_shape and name not in self._outputs
-                         and live.numel() > 0}
-            act_slots.update({name: slot(sat.float() / n) for name, (sat, n) in self._sat.items()
-                              if name not in self._outputs and n > 0})
+            self._acts.stop()
+            if self._acts.error is not None:
+                raise self._acts.error
+            act_slots = [(site, kind, slot(frac)) for site, kind, frac in self._acts.fractions()]
             mod_slots = []
             missing = [p for _, ps in self._param_mods for p in ps
                        if id(p) not in self._gnorm and p.grad is not None]
@@ -353,22 +324,38 @@ class ProbeHandle:
                 if before is not None and before > 0:
                     ratio = delta / before
             out[name] = LayerStats(grad_norm=grad, param_norm=pnorm, update_ratio=ratio)
-        for name, i in act_slots.items():
-            frac = host[i]
-            kind = self._acts[name][0]
+        for name, (dead, sat) in _worst_sites(act_slots, host).items():
             prev = out.get(name, LayerStats())
-            if kind == "dead":
-                out[name] = LayerStats(prev.grad_norm, prev.param_norm, prev.update_ratio,
-                                       dead_fraction=frac)
-            else:
-                out[name] = LayerStats(prev.grad_norm, prev.param_norm, prev.update_ratio,
-                                       saturated_fraction=frac)
+            ops = "/".join(label for _, label in (dead, sat) if label)
+            out[name] = LayerStats(prev.grad_norm, prev.param_norm, prev.update_ratio,
+                                   dead_fraction=dead[0], saturated_fraction=sat[0],
+                                   activation=ops or None)
         return out
+
+
+def _worst_sites(slots: list[tuple[tuple[str, str, int], str, int]], host: list[float]
+                 ) -> dict[str, tuple[tuple[float | None, str], tuple[float | None, str]]]:
+    """Per module, the worst dead and the worst saturated site: ``((fraction, label), ...)``.
+
+    A site's label is its op, with ``#k`` (1-based) when the module made more than one call of it.
+    """
+    calls: dict[tuple[str, str], int] = {}
+    for (name, op, k), _, _ in slots:
+        calls[(name, op)] = max(calls.get((name, op), 0), k + 1)
+    best: dict[str, dict[str, tuple[float, str]]] = {}
+    for (name, op, k), kind, i in slots:
+        label = op if calls[(name, op)] == 1 else f"{op}#{k + 1}"
+        cur = best.setdefault(name, {}).get(kind)
+        if cur is None or host[i] > cur[0]:
+            best[name][kind] = (host[i], label)
+    none: tuple[float | None, str] = (None, "")
+    return {name: (kinds.get("dead", none), kinds.get("saturated", none))
+            for name, kinds in best.items()}
 
 
 def attach_probes(model: nn.Module,
                   optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None,
-                  every: int) -> ProbeHandle:
+                  every: int, dense: int = DENSE_STEPS) -> ProbeHandle:
     """Attach per-layer probes to ``model`` and ``optimizer``, sampled every ``every`` steps.
 
     Args:
@@ -376,19 +363,23 @@ def attach_probes(model: nn.Module,
         optimizer: the optimizer that updates the model, or a list of them (e.g. one per
             parameter group of a GAN: pass all, or parameters of the others read as not updated),
             or None (no update ratios).
-        every: sample one step in ``every`` (>= 1).
+        every: sample one step in ``every`` (>= 1) once the run is past its dense head.
+        dense: steps sampled one after the other at the start (>= 0; 0 = none), then backing
+            off geometrically to ``every`` (:func:`sampled_at`).
 
     Returns:
         The :class:`ProbeHandle`; call ``begin_step``/``collect`` each step, ``remove`` at the end.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
-        ValueError: ``every`` is not an int >= 1.
+        ValueError: ``every`` is not an int >= 1, or ``dense`` not an int >= 0.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be an int >= 1, got {every!r}")
+    if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
+        raise ValueError(f"dense must be an int >= 0, got {dense!r}")
     if optimizer is None:
         opts: list[torch.optim.Optimizer] = []
     elif isinstance(optimizer, torch.optim.Optimizer):
@@ -398,4 +389,4 @@ def attach_probes(model: nn.Module,
     for o in opts:
         if not isinstance(o, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(o).__name__}")
-    return ProbeHandle(model, opts, every)
+    return ProbeHandle(model, opts, every, dense)

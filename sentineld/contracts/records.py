@@ -28,6 +28,10 @@ class LayerStats:
         dead_fraction: share (0-1) of output units never > 0 over the sampled batch (ReLU family).
         saturated_fraction: share (0-1) of output units saturated (|tanh| > 0.99, sigmoid < 0.01 or
             > 0.99) over the sampled batch.
+        activation: the activation call the two fractions were measured on (``"relu"``,
+            ``"gelu"``, ``"tanh"``, ...; ``"relu#2"`` for the module's second ``relu`` call in
+            one forward; ``"relu/tanh"`` when they come from two calls), or None. Absent from
+            streams written before it existed (read as None).
     """
 
     grad_norm: float | None = None
@@ -35,6 +39,7 @@ class LayerStats:
     update_ratio: float | None = None
     dead_fraction: float | None = None
     saturated_fraction: float | None = None
+    activation: str | None = None
 
 
 @dataclass(frozen=True)

@@ -241,12 +241,13 @@ def test_forgotten_zero_grad_is_recorded_as_carried(tmp_path):
 def test_sampled_steps_carry_per_layer_stats_and_export_them(tmp_path):
     m, o = _model()
     watch = attach(m, o, run_id="layers", runs_dir=tmp_path, metrics_port=-1, layer_every=5)
-    _train(m, o, watch, 11)
+    _train(m, o, watch, 140)
     body = urllib.request.urlopen(f"http://127.0.0.1:{watch.metrics_port}/metrics", timeout=5).read().decode()
     watch.close()
     recs = [r for r in _stream(watch) if r["kind"] == "step"]
     sampled = [r["step"] for r in recs if r.get("layers")]
-    assert sampled == [0, 5, 10]
+    # every step of the dense head (16), then gaps 1, 2, 4, then every 5 (probes.sampled_at)
+    assert sampled == [*range(32), *range(32, 64, 2), *range(64, 128, 4), 130, 135]
     stats = recs[5]["layers"]
     assert stats["0"]["grad_norm"] > 0 and 0 <= stats["1"]["dead_fraction"] <= 1
     host = socket.gethostname()

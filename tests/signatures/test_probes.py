@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sentineld.agent.probes import attach_probes
+from sentineld.agent.probes import DENSE_STEPS, attach_probes, sampled_at
 
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
               "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -88,15 +88,37 @@ def test_probes_do_not_change_training() -> None:
 
 
 def test_sampling_cadence() -> None:
+    """Dense at the start (every step for 2 here), gap doubling, then every 3 steps."""
     model, x, y = net(), *batch()
     opt = torch.optim.SGD(model.parameters(), 0.1)
-    with attach_probes(model, opt, every=3) as probes:
+    with attach_probes(model, opt, every=3, dense=2) as probes:
         got = []
-        for s in range(7):
-            assert probes.begin_step(s) == (s % 3 == 0)
+        for s in range(16):
+            assert probes.begin_step(s) == sampled_at(s, 3, 2)
             step(model, opt, x, y)
-            got.append(probes.collect() is not None)
-    assert got == [True, False, False, True, False, False, True]
+            if probes.collect() is not None:
+                got.append(s)
+    # 0, 1 dense; 2, 3 gap 1; 4..7 gap 2; from 8 on the gap (4) reaches every: multiples of 3
+    assert got == [0, 1, 2, 3, 4, 6, 9, 12, 15]
+    with attach_probes(net(), opt, every=3, dense=0) as plain:
+        assert [s for s in range(7) if plain.begin_step(s)] == [0, 3, 6]
+
+
+def test_sampling_schedule_default() -> None:
+    every = 50
+    steps = [s for s in range(2000) if sampled_at(s, every)]
+    assert steps[:DENSE_STEPS] == list(range(DENSE_STEPS))
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    assert all(g <= max(1, s // DENSE_STEPS) for s, g in zip(steps[1:], gaps))   # gap <= s/16
+    head = [g for s, g in zip(steps[1:], gaps) if s < DENSE_STEPS * 64]
+    assert head == sorted(head) and max(gaps) < 2 * every                        # backs off
+    assert set(gaps[-18:]) == {every}
+    assert all(s % every == 0 for s in steps if s >= DENSE_STEPS * 64)            # then steady
+    assert len(steps) == 131      # vs 40 for plain every=50: 91 extra samples, once per run
+    # a resumed run (first step 5000) is sampled densely again, then aligned to every
+    resumed = [s for s in range(5000, 7000) if sampled_at(s, every, first=5000)]
+    assert resumed[:DENSE_STEPS] == list(range(5000, 5000 + DENSE_STEPS))
+    assert resumed[-1] % every == 0 and len(resumed) == len(steps)
 
 
 class _CountOps(TorchDispatchMode):
@@ -116,7 +138,7 @@ def test_unsampled_steps_run_no_tensor_op() -> None:
     for attach in (False, True):
         model = net()
         opt = torch.optim.SGD(model.parameters(), 0.1)
-        probes = attach_probes(model, opt, every=10) if attach else None
+        probes = attach_probes(model, opt, every=10, dense=0) if attach else None
         if probes:
             probes.begin_step(0)
             step(model, opt, x, y)
@@ -255,7 +277,7 @@ def test_internal_error_switches_probes_off(monkeypatch: pytest.MonkeyPatch, cap
 
     def boom(*a: Any) -> None:
         raise RuntimeError("boom")
-    monkeypatch.setattr(probes, "_on_activation", boom)
+    monkeypatch.setattr(probes._acts, "_dead", boom)
     probes.begin_step(0)
     step(model, opt, x, y)                     # training is not interrupted
     assert probes.collect() is None and probes.enabled is False

@@ -92,7 +92,7 @@ def test_verdict_file_forms(tmp_path: Path) -> None:
 def test_verdict_message_names_the_report_path_and_command() -> None:
     cap = "/runs/r1/capture-rank0-step000000007-nonfinite.h5"
     _title, body = notification_text({"run_id": "r1", "step": 7, "phase": "forward", "capture": cap})
-    assert f"sentineld report /runs/r1` (to {default_report_path('/runs/r1')})" in body
+    assert f"report: sentineld report /runs/r1 (writes {default_report_path('/runs/r1')})" in body.splitlines()
     assert "sentineld regress /runs/r1" in body
 
 

@@ -60,6 +60,8 @@ def tensor_stats_text(s: Mapping[str, Any] | None) -> str:
             else ", all finite"
     elif s.get("nonfinite"):
         out += f", {s['nonfinite']} non-finite"
+    if s.get("zeros"):  # a zero denominator is the usual 0/0 or x/0
+        out += f", {s['zeros']} zeros"
     return out
 
 

@@ -22,6 +22,10 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+#: How many likely causes an alert spells out (the rest are named in one line): at 3 am the first
+#: few, ordered by what was seen, are what gets read.
+SHOWN_CAUSES = 4
+
 #: Likely causes of a non-finite step and their fixes (the method's NaN/Inf table), by key.
 CAUSES: dict[str, str] = {
     "lr_nonfinite": "the learning rate itself is non-finite: a scheduler dividing by zero (e.g. a "
@@ -111,8 +115,10 @@ def alert_text(run: str, ranks: Iterable[int], signature: str, severity: str, st
         body += f"replay step {step}: {replay}\n"
     if signature == "nonfinite" and fix.startswith("Find the first bad step"):  # the generic checklist
         causes = nonfinite_causes(numbers, message)
+        shown, rest = causes[:SHOWN_CAUSES], causes[SHOWN_CAUSES:]
         body += ("likely causes, from what was seen:\n"
-                 + "".join(f"  {i}. {CAUSES[k]}\n" for i, k in enumerate(causes, 1)))
+                 + "".join(f"  {i}. {CAUSES[k]}\n" for i, k in enumerate(shown, 1))
+                 + f"  less likely here: {', '.join(CAUSES[k].split(' (')[0].split(':')[0] for k in rest)}\n")
     else:
         body += f"fix: {_fill(fix, run_dir or run, replay)}\n"
     return title, body

@@ -19,6 +19,7 @@ from __future__ import annotations
 import html
 import math
 import os
+import re
 import shlex
 from typing import Any, Mapping
 
@@ -77,8 +78,13 @@ def _title(r: Mapping[str, Any]) -> str:
 
 
 def _micro_batch(ev: Mapping[str, Any]) -> str | None:
-    """``2 of 3`` (1-based) when the step accumulated gradients over several micro-batches."""
+    """``2 of 3`` (1-based) when the step accumulated gradients over several micro-batches (one
+    loss per micro-batch in ``micro_losses``); for a data verdict the micro-batch is the first
+    index of the field (``batch[1][0]``: the step's batch is the list of its micro-batches)."""
     micro, losses = ev.get("micro_batch"), ev.get("micro_losses") or []
+    if micro is None and ev.get("field"):
+        m = re.match(r"batch\[(\d+)\]", str(ev["field"]))
+        micro = int(m.group(1)) if m else None
     if micro is None or len(losses) < 2:
         return None
     return f"{int(micro) + 1} of {len(losses)}"
@@ -88,7 +94,9 @@ def _evidence_lines(r: Mapping[str, Any]) -> list[str]:
     ev: Mapping[str, Any] = r.get("evidence") or {}
     out = []
     if r.get("phase") == "data" and ev.get("field"):
-        out.append(f"field: {ev['field']}  samples: {ev.get('samples')}")
+        first = (ev.get("fields") or [{}])[0]
+        stats = f"  {tensor_stats_text(first['stats'])}" if first.get("stats") else ""
+        out.append(f"field: {ev['field']}  samples: {ev.get('samples')}{stats}")
     if ev.get("op_inputs") is not None and r.get("op") and r.get("op") != "lr":
         out.append(f"op inputs: {'; '.join(tensor_stats_text(s) for s in ev['op_inputs']) or '-'}")
         out.append(f"op output: {tensor_stats_text(ev.get('op_output'))}")
@@ -153,8 +161,8 @@ def render_verdict(report: Any) -> tuple[str, str]:
     if r.get("capture"):  # captures live in the run directory; so does its report
         run_dir = os.path.dirname(str(r["capture"]))
         lines += [f"replay it: {replay_command(run_dir, r.get('requested_step', step))}",
-                  f"report: sentineld report {shlex.quote(run_dir)} "
-                  f"(writes {os.path.join(run_dir, 'report.html')})",
+                  f"report: sentineld report {shlex.quote(run_dir)}",
+                  f"  writes {os.path.join(run_dir, 'report.html')}",
                   f"regression test: sentineld regress {shlex.quote(run_dir)}"]
     return _title(r), "\n".join(lines) + "\n"
 

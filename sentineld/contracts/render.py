@@ -122,19 +122,23 @@ def _evidence_lines(r: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def render_verdict(report: Any) -> tuple[str, str]:
-    """Title and plain-text body of a replay verdict.
+def render_verdict(report: Any, fmt: str = "text") -> tuple[str, str]:
+    """Title and body of a replay verdict.
 
     Args:
         report: a :class:`~sentineld.contracts.verdict.Report` or its JSON dict (as the replay
             subprocess printed it, non-finite floats possibly as strings).
+        fmt: output format of the body, one of :data:`FORMATS` (:func:`format_body`).
 
     Returns:
         ``(title, body)``: the title names run, step, phase and module; the body has one
         ``label: value`` line per fact (phase, module, op, step, micro-batch under gradient
         accumulation, parameters, reproduction, tensor stats with NaN/+Inf/-Inf counts, cause,
         fix), then the commands to replay, report and regress the run, each on a line of its own.
-        Pass the body to :func:`format_body` for HTML or markdown.
+        The title is plain text in every format (a subject line).
+
+    Raises:
+        ValueError: ``fmt`` is not one of :data:`FORMATS`.
     """
     r: Mapping[str, Any] = report if isinstance(report, Mapping) else _as_dict(report)
     step, phase = r.get("step", "?"), r.get("phase", "none")
@@ -164,7 +168,7 @@ def render_verdict(report: Any) -> tuple[str, str]:
                   f"report: sentineld report {shlex.quote(run_dir)}",
                   f"  writes {os.path.join(run_dir, 'report.html')}",
                   f"regression test: sentineld regress {shlex.quote(run_dir)}"]
-    return _title(r), "\n".join(lines) + "\n"
+    return _title(r), format_body("\n".join(lines) + "\n", fmt)
 
 
 def _as_dict(report: Any) -> dict[str, Any]:

@@ -4,7 +4,7 @@ gradient accumulation names its micro-batch."""
 
 from __future__ import annotations
 
-from sentineld.contracts.render import render_verdict, tensor_stats_text
+from sentineld.contracts.render import format_body, render_verdict, tensor_stats_text
 from sentineld.contracts.verdict import Report, render_text
 
 
@@ -34,3 +34,11 @@ def test_accumulated_step_names_its_micro_batch() -> None:
     one = Report(run_id="x", rank=0, step=1, requested_step=1, phase="forward",
                  evidence={"micro_batch": 0, "micro_losses": [float("nan")]})
     assert "micro-batch" not in render_text(one)
+
+
+def test_one_renderer_three_formats() -> None:
+    r = Report(run_id="r", rank=0, step=2, requested_step=2, phase="forward", module="m", module_type="<lambda>")
+    title, text = render_verdict(r)
+    assert render_verdict(r, "html") == (title, format_body(text, "html"))
+    assert "&lt;lambda&gt;" in render_verdict(r, "html")[1] and "<lambda>" not in render_verdict(r, "html")[1]
+    assert render_verdict(r, "markdown")[1] == "```\n" + text.rstrip("\n") + "\n```\n"

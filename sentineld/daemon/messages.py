@@ -94,13 +94,14 @@ def _fill(fix: str, run: str, replay: str) -> str:
 
 def alert_text(run: str, ranks: Iterable[int], signature: str, severity: str, step: int,
                message: str, numbers: Mapping[str, Any], fix: str,
-               module: str | None = None, host: str = "", run_dir: str | None = None) -> tuple[str, str]:
+               module: str | None = None, host: str = "", run_dir: str | None = None,
+               replay_note: str = "") -> tuple[str, str]:
     """Title and body of a signature alert.
 
     The body names the run id, rank(s), step and figures; for ``nonfinite`` the exact replay
     command (with ``run_dir``, else the run id, and the step) and the likely causes ordered by
     what was seen (:func:`nonfinite_causes`); for other signatures the signature's fix, with any
-    ``<run>`` placeholder filled in.
+    ``<run>`` placeholder filled in. ``replay_note`` says whether a replay verdict follows.
     """
     rk = ",".join(str(r) for r in sorted(set(ranks))) or "0"
     where = f" module {module}" if module else ""
@@ -112,7 +113,7 @@ def alert_text(run: str, ranks: Iterable[int], signature: str, severity: str, st
             + (f"  host: {host}" if host else "") + "\n"
             + (f"figures: {figures}\n" if figures else ""))
     if signature == "nonfinite":
-        body += f"replay step {step}: {replay}\n"
+        body += f"replay step {step}: {replay}\n" + (f"{replay_note}\n" if replay_note else "")
     if signature == "nonfinite" and fix.startswith("Find the first bad step"):  # the generic checklist
         causes = nonfinite_causes(numbers, message)
         shown, rest = causes[:SHOWN_CAUSES], causes[SHOWN_CAUSES:]

@@ -119,13 +119,23 @@ class Notifier:
         """Notify that ``a`` fires in ``rw`` (outbox and Alertmanager)."""
         host = rw.meta.host if rw.meta else ""
         title, body = alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step, a.message,
-                                 a.numbers, a.fix, a.module, host, run_dir=str(rw.run_dir))
+                                 a.numbers, a.fix, a.module, host, run_dir=str(rw.run_dir),
+                                 replay_note=self.replay_note(rw))
         nid = notification_id(rw.incident_scope, a.signature, a.module or "", a.step)
         self.enqueue(Notification(id=nid, kind="alert", title=title, body=body, severity=a.severity,
                                   run=rw.run_id, signature=a.signature, step=a.step,
                                   data={"ranks": a.ranks, "numbers": a.numbers, "module": a.module}))
         self.am_fire(rw, a, title, body)
         log.info("run %s: %s %s at step %d (ranks %s)", rw.run_id, a.severity, a.signature, a.step, a.ranks)
+
+    def replay_note(self, rw: RunWatch) -> str:
+        """Whether the capture's verdict will follow this alert, for the alert's body."""
+        no_replay = self.am_annotations(rw).get("replay")
+        if no_replay:
+            return f"automatic replay: {no_replay}"
+        if not self.replay_enabled:
+            return "automatic replay: off (the daemon runs with --no-replay); replay by hand as above"
+        return "automatic replay: on; the verdict on the capture follows in its own message"
 
     def am_fire_quietly(self, rw: RunWatch, a: Active) -> None:
         """Track ``a`` in Alertmanager only (a rate-limited alert, or one restored at start)."""

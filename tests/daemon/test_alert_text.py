@@ -53,3 +53,10 @@ def test_other_signatures_keep_their_fix_with_the_run_filled_in() -> None:
     _t, body = alert_text("exp1", [0], "divergence", "warning", 3, "m", {}, "see sentineld replay <run> --step N",
                           run_dir="/runs/exp1")
     assert "fix: see sentineld replay /runs/exp1 --step 3" in body
+
+
+def test_alert_says_whether_a_verdict_follows() -> None:
+    _t, body = alert_text("exp1", [0], "nonfinite", "critical", 4, "non-finite loss=nan at step 4", {"loss": NAN},
+                          NONFINITE_FIX, run_dir="/runs/exp1", replay_note="automatic replay: on")
+    lines = body.splitlines()
+    assert lines[lines.index("replay step 4: sentineld replay /runs/exp1 --step 4") + 1] == "automatic replay: on"

@@ -125,7 +125,9 @@ class Notifier:
         self.enqueue(Notification(id=nid, kind="alert", title=title, body=body, severity=a.severity,
                                   run=rw.run_id, signature=a.signature, step=a.step,
                                   data={"ranks": a.ranks, "numbers": a.numbers, "module": a.module}))
-        self.am_fire(rw, a, title, body)
+        # Alertmanager's copy without the replay note: its ``replay`` annotation says the same
+        self.am_fire(rw, a, *alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step, a.message,
+                                        a.numbers, a.fix, a.module, host, run_dir=str(rw.run_dir)))
         log.info("run %s: %s %s at step %d (ranks %s)", rw.run_id, a.severity, a.signature, a.step, a.ranks)
 
     def replay_note(self, rw: RunWatch) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Mapping
 
+from sentineld.contracts.nonfinite import INPUT_REASON
 from sentineld.contracts.render import replay_command
 
 __all__ = ["alert_text", "recovery_text", "replay_failed_text", "agent_notice_text", "nonfinite_causes",
@@ -71,7 +72,7 @@ def nonfinite_causes(numbers: Mapping[str, Any], message: str = "") -> list[str]
     loss, gn, lr = numbers.get("loss"), numbers.get("grad_norm"), numbers.get("lr")
     if _bad(lr):
         first = ["lr_nonfinite", "lr_large"]
-    elif "input" in message:
+    elif INPUT_REASON in message:
         first = ["data"]
     elif not _bad(loss) and _bad(gn):
         first = (["grad_zero_div", "explosion", "fp16"] if str(gn).lower() == "nan"

@@ -35,6 +35,7 @@ def test_alert_names_run_step_and_the_exact_command() -> None:
     ({"loss": 2.3, "grad_norm": 1.5}, "non-finite parameters at step 12", "optimizer"),
     ({"loss": INF, "grad_norm": NAN}, "non-finite loss=inf, grad_norm=nan at step 12", "div_log"),
     ({"loss": "nan", "grad_norm": "nan"}, "non-finite loss=nan at step 12", "div_log"),  # as JSON strings
+    ({"loss": NAN, "grad_norm": NAN}, "non-finite loss=nan, input batch at step 12", "data"),
 ])
 def test_likely_causes_follow_what_was_seen(numbers: dict, message: str, first: str) -> None:
     order = nonfinite_causes(numbers, message)

@@ -146,6 +146,13 @@ def test_email_with_format_text_gets_plain_text_only(raw_smtp: tuple[int, RawInb
     a = apprise.Apprise()
     assert a.add(f"mailto://127.0.0.1:{port}?from=s@localhost&to=o@localhost&format=text")
     assert destination_format(a) == apprise.NotifyFormat.TEXT
+    note = Notification(id="n-text", kind="alert", title="t", body="a <b>\n  c\n", run="exp1")
+    ok, err = _apprise_send(f"mailto://127.0.0.1:{port}?from=s@localhost&to=o@localhost&format=text", note, 10.0)
+    assert ok, err
+    wait_until(lambda: inbox.raw, 10, "the email")
+    msg = message_from_bytes(inbox.raw[0], policy=default_policy)
+    assert msg.get_content_type() == "text/plain"
+    assert msg.get_content().splitlines()[:2] == ["a <b>", "  c"]
     assert format_body("a <b>\n", "text") == "a <b>\n"
     with pytest.raises(ValueError, match="unknown output format"):
         format_body("x", "rtf")

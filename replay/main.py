@@ -41,7 +41,10 @@ def replay_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--rank", type=int, default=None,
                      help="Replay this rank's capture (default: the rank whose own loss went "
                           "non-finite first)."),
-        click.option("--runs-dir", type=click.Path(file_okay=False), default=None),
+        click.option("--runs-dir", type=click.Path(file_okay=False), default=None,
+                     help="Parent of run directories, where a RUN id is looked up (default: "
+                          "$SENTINELD_RUNS_DIR, the config's runs_dir, else "
+                          "~/.local/state/sentineld/runs). Not needed when RUN is a directory."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)

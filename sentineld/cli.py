@@ -32,6 +32,10 @@ from sentineld.report.command import report
 
 __all__ = ["main", "cli"]
 
+#: --runs-dir of the commands that take a run id (recover; replay has its own in replay/main.py).
+RUNS_DIR_HELP = ("Parent of run directories, where a RUN id is looked up (default: "
+                 "$SENTINELD_RUNS_DIR, the config's runs_dir, else ~/.local/state/sentineld/runs). "
+                 "Not needed when RUN is a directory.")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -185,11 +189,13 @@ def status(state_dir: str | None, as_json: bool) -> None:
         click.echo(f"sentineld daemon: not running (state dir {sd})"
                    + ("; stale status from pid %s" % st.get("pid") if st else ""))
     else:
-        from rich.console import Console  # noqa: PLC0415
         from rich.table import Table  # noqa: PLC0415
 
-        con = Console()
-        con.print(f"sentineld daemon: running (pid {pid}), runs dir {st.get('runs_dir') if st else '?'}")
+        from sentineld.console import console  # noqa: PLC0415
+
+        con = console()
+        con.print(f"sentineld daemon: running (pid {pid}), runs dir {st.get('runs_dir') if st else '?'}",
+                  markup=False)
         if st:
             con.print(f"runs watched: {st['runs_watched']}  alerts sent: {st['alerts_sent']}  "
                       f"pending: {st['alerts_pending']}  replays run: {st['replays_run']}  "
@@ -211,7 +217,8 @@ def _safe_state_dir() -> Path:
 
 @cli.command()
 @click.option("--runs-dir", type=click.Path(file_okay=False), default=None,
-              help="Runs dir to list (default: the one the running daemon watches, else the configured one).")
+              help="Runs dir to list (default: the one the running daemon watches, else "
+                   "$SENTINELD_RUNS_DIR, the config's runs_dir or ~/.local/state/sentineld/runs).")
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
               help="State dir of the daemon whose runs dir to list (as for status and stop).")
 @click.option("--json", "as_json", is_flag=True)
@@ -253,19 +260,23 @@ def runs(runs_dir: str | None, state_dir: str | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(rows, indent=1))
         return
-    from rich.console import Console  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
 
-    t = Table("run", "ranks", "last step", "state", "captures", "error", title=f"runs in {rd}")
+    from sentineld.console import console  # noqa: PLC0415
+
+    con = console()
+    con.print(f"runs in {rd}", markup=False)  # a line of its own: a table title is cut to the table's width
+    t = Table("run", "ranks", "last step", "state", "captures", "error")
     for r in rows:
         t.add_row(r["run_id"], ",".join(map(str, r["ranks"])), str(r["last_step"]), r["state"],
                   str(len(r["captures"])), (r["error"] or "")[:60])
-    Console().print(t)
+    con.print(t)
 
 
 @cli.command()
 @click.argument("run")
-@click.option("--runs-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--runs-dir", type=click.Path(file_okay=False), default=None,
+              help=RUNS_DIR_HELP)
 def recover(run: str, runs_dir: str | None) -> None:
     """Turn the on-disk rings of RUN's dead training processes into crash captures.
 
@@ -347,6 +358,11 @@ def _limit_memory(limit_bytes: int) -> None:
               help="Seconds to wait for the alert and the replay verdict.")
 def demo(fault: str, runs_dir: str | None, notify: tuple[str, ...], epochs: int, timeout_s: float) -> None:
     """Train on scikit-learn's handwritten digits with a planted fault, watched by the daemon."""
+    try:  # the data set comes with scikit-learn, an optional dependency (the `demo` extra)
+        import sklearn  # noqa: F401, PLC0415
+    except ImportError as exc:
+        _fail(f"the demo needs scikit-learn (its handwritten digits data set), which is not importable "
+              f"({exc}); install it with: pip install 'sentineld[demo]'  (or: pip install scikit-learn)")
     from sentineld.demo import run_demo  # noqa: PLC0415
 
     sys.exit(run_demo(fault, runs_dir, notify, epochs, timeout_s))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -62,18 +63,26 @@ def _existing_daemon(runs_dir: Path) -> Path | None:
     return None
 
 
+def _show(con: Any, title: str, body: str, style: str) -> None:
+    """A notification as delivered: its title, then its body line for line (no panel: a panel
+    wraps long lines and cuts a long title)."""
+    from rich.text import Text  # noqa: PLC0415
+
+    con.print(Text(f"== {title}", style=f"bold {style}"))
+    con.print(Text(body.rstrip("\n")))
+
+
 def run_demo(fault: str, runs_dir: str | None, notify: tuple[str, ...], epochs: int,
              timeout_s: float) -> int:
     """Run the demo; return the exit code (0 when the expected outcome was seen)."""
     import torch  # noqa: PLC0415
-    from rich.console import Console  # noqa: PLC0415
-    from rich.panel import Panel  # noqa: PLC0415
     from rich.progress import Progress  # noqa: PLC0415
 
     from sentineld.agent import attach  # noqa: PLC0415
+    from sentineld.console import console  # noqa: PLC0415
     from sentineld.demo_model import load_digits_tensors, loss_fn, make_recipe  # noqa: PLC0415
 
-    con = Console()
+    con = console()
     rd = Path(runs_dir) if runs_dir else Path(tempfile.mkdtemp(prefix="sentineld-demo-runs-"))
     rd.mkdir(parents=True, exist_ok=True, mode=0o700)
     state_dir = _existing_daemon(rd)
@@ -126,27 +135,29 @@ def run_demo(fault: str, runs_dir: str | None, notify: tuple[str, ...], epochs: 
                       "its owner would stop it here too)")
         with torch.no_grad():
             acc = float((model(xte).argmax(1) == yte).float().mean())
-        con.print(f"run {run_id}: test accuracy {acc:.3f}, captures {[p.name for p in watch.captures]}")
+        con.print(f"run {run_id}: test accuracy {acc:.3f}, captures {[p.name for p in watch.captures]}",
+                  markup=False)
         log_path = state_dir / "notifications.jsonl"
         if fault == "none":
             seen = wait_for_notifications(log_path, run_id, {"alert", "verdict"}, timeout_s=3.0)
             if seen or watch.captures:
                 con.print(f"[red]unexpected alert or capture for a healthy run: {list(seen)}[/red]")
                 return 1
-            con.print(Panel(f"no alert, no capture; test accuracy {acc:.3f}", title="healthy run"))
+            _show(con, "healthy run", f"no alert, no capture; test accuracy {acc:.3f}\n", "green")
             return 0 if acc > 0.9 else 1
         seen = wait_for_notifications(log_path, run_id, {"alert", "verdict"}, timeout_s=timeout_s)
         if "alert" in seen:
             a = seen["alert"]
-            con.print(Panel(a["body"], title=a["title"], border_style="red"))
+            _show(con, a["title"], a["body"], "red")
         if "verdict" in seen:
             v = seen["verdict"]
-            con.print(Panel(v["body"], title=v["title"], border_style="yellow"))
+            _show(con, v["title"], v["body"], "yellow")
             report = v.get("data") or {}
             con.print(f"verdict: phase={report.get('phase')} module={report.get('module')} "
-                      f"op={report.get('op')} step={report.get('step')} reproduced={report.get('reproduced')}")
+                      f"op={report.get('op')} step={report.get('step')} reproduced={report.get('reproduced')}",
+                      markup=False)
             con.print(f"replay it yourself: {Path(sys.executable).parent / 'sentineld'} replay "
-                      f"{rd / run_id} --json")
+                      f"{shlex.quote(str(rd / run_id))} --json", markup=False)
             return 0 if report.get("phase") not in (None, "none") else 1
         con.print(f"[red]no verdict within {timeout_s:g} s; see {state_dir / 'daemon.log'}[/red]")
         return 1

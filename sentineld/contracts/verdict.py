@@ -1,6 +1,7 @@
-"""The replay's verdict: its schema (:class:`Report`, a JSON-ready record) and its two text forms,
-both here: :func:`render_text` for a person at a terminal (``sentineld replay``), with the evidence,
-and :func:`notification_text` for the daemon's notification (what the demo prints).
+"""The replay's verdict: its schema (:class:`Report`, a JSON-ready record). Its one renderer is
+:func:`sentineld.contracts.render.render_verdict` (title and body, then HTML or markdown with
+``format_body``); :func:`render_text` (what ``sentineld replay`` prints) and
+:func:`notification_text` (the daemon's notification, what the demo prints) are that renderer.
 
 JSON fields (stable; ``schema_version`` bumps on any change): ``schema_version``, ``run_id``,
 ``rank``, ``step`` (the offending step), ``requested_step``, ``phase`` (``data`` | ``forward`` |
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
@@ -74,103 +74,19 @@ def _strict(obj: Any) -> Any:
     return obj
 
 
-def _stats(s: dict[str, Any] | None) -> str:
-    if not s:
-        return "-"
-    bad = f", {s['nonfinite']} non-finite" if s.get("nonfinite") else ""
-    rng = (f" [{s['min']:.4g}, {s['max']:.4g}] max|x| {s['finite_max_abs']:.4g}"
-           if s.get("finite_max_abs") is not None else "")
-    return f"{s.get('dtype')}{s.get('shape')}{rng}{bad}"
+def render_text(r: Report | Mapping[str, Any]) -> str:
+    """The verdict as ``sentineld replay`` prints it: the title line, then the body of
+    :func:`sentineld.contracts.render.render_verdict` (the one renderer; the daemon's
+    notification is the same title and body)."""
+    from sentineld.contracts.render import render_verdict  # noqa: PLC0415 - render imports this module's users
+
+    title, body = render_verdict(r)
+    return f"{title}\n{body}".rstrip("\n")
 
 
-def _details(r: Report) -> list[str]:
-    ev = r.evidence
-    out = []
-    if r.phase == "data":
-        out.append(f"field {ev.get('field')}, samples {ev.get('samples')}")
-    if ev.get("op_inputs") is not None and r.op and r.op != "lr":
-        out.append(f"op inputs: {'; '.join(_stats(s) for s in ev['op_inputs']) or '-'}")
-        out.append(f"op output: {_stats(ev.get('op_output'))}")
-    if ev.get("state_entry"):
-        out.append(f"optimizer state: {ev['state_entry']}" + (
-            f" (eps {ev['eps']['eps']:g} is {ev['eps']['in_param_dtype']:g} in {ev['eps']['param_dtype']})"
-            if ev.get("eps") else ""))
-    origin = ev.get("inf_gradient_origin")
-    if origin:
-        out.append(f"Inf gradient made in backward of module '{origin.get('module')}', op {origin.get('op')} "
-                   f"[{origin.get('autograd_node')}]")
-    sched = ev.get("scheduler")
-    if sched:
-        out.append(f"lr used by the step {sched.get('lr_used_by_step')}, set for the next "
-                   f"{sched.get('lr_set_for_next_step')} (last_epoch {sched.get('last_epoch')})")
-    if r.phase == "none":
-        out.append(f"recorded run non-finite here: {r.recorded_nonfinite}")
-    if ev.get("warning"):
-        out.append(f"warning: {ev['warning']}")
-    return out
+def notification_text(report: Report | Mapping[str, Any]) -> tuple[str, str]:
+    """Title and plain-text body of the daemon's notification of a verdict (``report`` is its
+    JSON, as the replay subprocess printed it): :func:`sentineld.contracts.render.render_verdict`."""
+    from sentineld.contracts.render import render_verdict  # noqa: PLC0415
 
-
-def render_text(r: Report) -> str:
-    """One short paragraph a person reads first, then the key evidence."""
-    where = ""
-    if r.module is not None:
-        where = f" in module '{r.module}' ({r.module_type})"
-    op = f", op {r.op}" if r.op else ""
-    node = f" [{r.autograd_node}]" if r.autograd_node else ""
-    params = f"\n  parameters: {', '.join(r.parameters[:8])}" if r.parameters else ""
-    repro = ("reproduced bit for bit" if r.reproduced and r.max_loss_deviation == 0
-             else f"reproduced (max loss deviation {r.max_loss_deviation:.3g})" if r.reproduced
-             else f"NOT reproduced (max loss deviation {r.max_loss_deviation:.3g})")
-    if r.phase == "none":
-        head = f"step {r.step}: replay found every value finite"
-    elif r.phase == "data":
-        head = f"step {r.step}: the batch holds non-finite values ({r.evidence.get('field', '?')})"
-    else:
-        head = f"step {r.step}: first non-finite value made in {r.phase}{where}{op}{node}"
-    details = "".join(f"\n  {d}" for d in _details(r))
-    return (f"{head}\n  {repro} over {r.steps_rebuilt} rebuilt steps (snapshot at step "
-            f"{r.evidence.get('snapshot_step', '?')}){params}{details}\n"
-            f"  likely cause: {r.cause}\n  fix: {r.fix}")
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return repr(v) if not math.isfinite(v) else f"{v:.6g}"
-    return str(v)
-
-
-def notification_text(report: Mapping[str, Any]) -> tuple[str, str]:
-    """Title and body of the daemon's notification of a verdict (``report`` is its JSON, as the
-    replay subprocess printed it)."""
-    run, step, phase = report.get("run_id", "?"), report.get("step", "?"), report.get("phase", "none")
-    module, mtype, op = report.get("module"), report.get("module_type"), report.get("op")
-    if phase == "none":
-        title = f"[sentineld] replay of run {run} step {step}: every value finite"
-    elif phase == "data":
-        title = f"[sentineld] replay of run {run} step {step}: non-finite input data"
-    else:
-        title = (f"[sentineld] replay of run {run}: step {step} went non-finite in {phase}"
-                 + (f", module {module}" if module else ""))
-    lines = [
-        f"phase: {phase}",
-        f"module: {module or '-'} ({mtype or '-'})",
-        f"op: {op or '-'}" + (f"  autograd node: {report['autograd_node']}" if report.get("autograd_node") else ""),
-        f"step: {step} (requested {report.get('requested_step', step)})",
-        f"parameters: {', '.join(report.get('parameters') or []) or '-'}",
-        f"reproduced: {report.get('reproduced')} (max loss deviation "
-        f"{_fmt(report.get('max_loss_deviation', 0.0))} over {report.get('steps_rebuilt', 0)} rebuilt steps)",
-        f"likely cause: {report.get('cause', '')}",
-        f"fix: {report.get('fix', '')}",
-    ]
-    ev = report.get("evidence") or {}
-    if phase == "data" and ev.get("field"):
-        lines.append(f"field: {ev['field']} samples: {ev.get('samples')}")
-    if ev.get("not_checked"):  # a forward-only verdict (no loss_fn, no recipe)
-        lines.append(f"not checked: {', '.join(map(str, ev['not_checked']))}; to check them, "
-                     f"{ev.get('how_to_enable', '')}")
-    if report.get("capture"):  # captures live in the run directory; so does its report
-        run_dir = os.path.dirname(str(report["capture"]))
-        lines.append(f"report: write it with `sentineld report {run_dir}` "
-                     f"(to {os.path.join(run_dir, 'report.html')}); a regression test with "
-                     f"`sentineld regress {run_dir}`")
-    return title, "\n".join(lines) + "\n"
+    return render_verdict(report)

@@ -43,13 +43,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
+from sentineld.contracts.render import FORMATS, format_body
 from sentineld.daemon.outbox import DELIVERED, DROPPED, PENDING, SENDING, Notification, Outbox
 
 __all__ = ["redact_url", "valid_url", "deliver_due", "LOG_TARGET", "append_log", "Destination",
-           "destinations", "url_secrets", "SecretFilter", "DeliveryResult", "log_has"]
+           "destinations", "url_secrets", "SecretFilter", "DeliveryResult", "log_has", "destination_format"]
 
 log = logging.getLogger("sentineld.daemon")
 
@@ -203,6 +204,23 @@ def _footer(note: Notification, resend: bool) -> str:
     return text
 
 
+def destination_format(a: Any) -> Any:
+    """The ``apprise.NotifyFormat`` the (single) destination in ``a`` renders natively: ``html``
+    for email (apprise then sends multipart/alternative, its text/plain part derived from our
+    HTML), ``markdown`` for Slack and the like, ``text`` otherwise or when the URL says
+    ``?format=text``. The body is rendered in that format (:func:`format_body`) and declared as
+    such, so apprise converts nothing: without a declared format it took our plain text as HTML
+    (the text/plain part lost its line breaks and ``<run>``; the HTML part was unescaped).
+    """
+    import apprise  # noqa: PLC0415
+
+    plugins = list(a)
+    if not plugins:
+        return apprise.NotifyFormat.TEXT
+    fmt = plugins[0].resolve_format(None)
+    return fmt if fmt.value in FORMATS else apprise.NotifyFormat.TEXT
+
+
 def _apprise_send(url: str, note: Notification, timeout_s: float, resend: bool = False) -> tuple[bool, str]:
     import apprise  # noqa: PLC0415
 
@@ -211,7 +229,9 @@ def _apprise_send(url: str, note: Notification, timeout_s: float, resend: bool =
         return False, "apprise rejected the URL"
     ntype = {"critical": apprise.NotifyType.FAILURE, "warning": apprise.NotifyType.WARNING}.get(
         note.severity, apprise.NotifyType.INFO)
-    result = a.notify(body=note.body + _footer(note, resend), title=note.title, notify_type=ntype)
+    fmt = destination_format(a)
+    result = a.notify(body=format_body(note.body + _footer(note, resend), fmt.value), title=note.title,
+                      notify_type=ntype, body_format=fmt)
     status = getattr(result, "status", "FAILURE")
     return bool(result), "" if result else f"delivery failed ({getattr(status, 'name', status)})"
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from sentineld.contracts.capture import CaptureError, open_capture
+from sentineld.contracts.render import replay_command
 from sentineld.contracts.rundir import parse_capture_name
 from sentineld.contracts.verdict import notification_text
 from sentineld.daemon.am_incident import (
@@ -118,18 +119,30 @@ class Notifier:
         """Notify that ``a`` fires in ``rw`` (outbox and Alertmanager)."""
         host = rw.meta.host if rw.meta else ""
         title, body = alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step, a.message,
-                                 a.numbers, a.fix, a.module, host)
+                                 a.numbers, a.fix, a.module, host, run_dir=str(rw.run_dir),
+                                 replay_note=self.replay_note(rw))
         nid = notification_id(rw.incident_scope, a.signature, a.module or "", a.step)
         self.enqueue(Notification(id=nid, kind="alert", title=title, body=body, severity=a.severity,
                                   run=rw.run_id, signature=a.signature, step=a.step,
                                   data={"ranks": a.ranks, "numbers": a.numbers, "module": a.module}))
-        self.am_fire(rw, a, title, body)
+        # Alertmanager's copy without the replay note: its ``replay`` annotation says the same
+        self.am_fire(rw, a, *alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step, a.message,
+                                        a.numbers, a.fix, a.module, host, run_dir=str(rw.run_dir)))
         log.info("run %s: %s %s at step %d (ranks %s)", rw.run_id, a.severity, a.signature, a.step, a.ranks)
+
+    def replay_note(self, rw: RunWatch) -> str:
+        """Whether the capture's verdict will follow this alert, for the alert's body."""
+        no_replay = self.am_annotations(rw).get("replay")
+        if no_replay:
+            return f"automatic replay: {no_replay}"
+        if not self.replay_enabled:
+            return "automatic replay: off (the daemon runs with --no-replay); replay by hand as above"
+        return "automatic replay: on; the verdict on the capture follows in its own message"
 
     def am_fire_quietly(self, rw: RunWatch, a: Active) -> None:
         """Track ``a`` in Alertmanager only (a rate-limited alert, or one restored at start)."""
         self.am_fire(rw, a, *alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step,
-                                        a.message, a.numbers, a.fix, a.module))
+                                        a.message, a.numbers, a.fix, a.module, run_dir=str(rw.run_dir)))
 
     def crash_alert(self, rw: RunWatch, cap: Path, rank: int, step: int) -> None:
         """A training process died (exception, SIGTERM, SIGKILL with the disk ring): say so, with
@@ -142,7 +155,7 @@ class Notifier:
         title = f"[sentineld] CRITICAL run {rw.run_id} crashed (rank {rank}) after step {step}"
         body = (f"The training process of run {rw.run_id} (rank {rank}) ended abnormally after step "
                 f"{step}: {reason}\nIts last steps are in {cap.name}; the step that raised was never "
-                f"completed, so replay the recorded ones: sentineld replay {rw.run_dir} --step {step}\n")
+                f"completed, so replay the recorded ones: {replay_command(str(rw.run_dir), step)}\n")
         self.enqueue(Notification(id=notification_id(rw.incident_scope, "crashed", cap.name), kind="alert",
                                   title=title, body=body, severity="critical", run=rw.run_id,
                                   signature="crashed", step=step, data={"rank": rank, "reason": reason}))
@@ -209,7 +222,7 @@ class Notifier:
         """Re-post a firing alert whose ranks grew, so the page lists every rank."""
         host = rw.meta.host if rw.meta else ""
         self.am_fire(rw, a, *alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step, a.message,
-                                        a.numbers, a.fix, a.module, host))
+                                        a.numbers, a.fix, a.module, host, run_dir=str(rw.run_dir)))
 
     def am_extra(self, rw: RunWatch, kind: str, title: str, body: str, step: int | None,
                  rank: int | None) -> None:

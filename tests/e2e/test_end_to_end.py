@@ -44,6 +44,8 @@ def test_zero_std_fault_emails_and_posts_the_culprit_module(smtp_server, http_si
     alert = next(b for b in bodies if "nonfinite" in b and "CRITICAL" in b)
     verdict = next(b for b in bodies if "replay of run e2e-zero-std" in b)
     assert "step: 0" in alert and "loss=nan" in alert
+    # the first alert names the exact command, on a line of its own (issue 10)
+    assert f"replay step 0: sentineld replay {daemon.runs_dir / 'e2e-zero-std'} --step 0" in alert.splitlines()
     assert "phase: forward" in verdict
     assert "module: norm (Standardize)" in verdict
     assert "op: aten.div" in verdict

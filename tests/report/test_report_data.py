@@ -15,8 +15,8 @@ import pytest
 from sentineld.contracts.records import LayerStats, StepRecord
 from sentineld.contracts.verdict import notification_text
 from sentineld.daemon.outbox import Notification, Outbox
-from sentineld.report import default_report_path, write_report
 from sentineld.report import data as d
+from sentineld.report import default_report_path, write_report
 from sentineld.report.sources import read_notifications, read_verdict
 
 
@@ -92,7 +92,8 @@ def test_verdict_file_forms(tmp_path: Path) -> None:
 def test_verdict_message_names_the_report_path_and_command() -> None:
     cap = "/runs/r1/capture-rank0-step000000007-nonfinite.h5"
     _title, body = notification_text({"run_id": "r1", "step": 7, "phase": "forward", "capture": cap})
-    assert f"sentineld report /runs/r1` (to {default_report_path('/runs/r1')})" in body
+    lines = body.splitlines()
+    assert "report: sentineld report /runs/r1" in lines and f"  writes {default_report_path('/runs/r1')}" in lines
     assert "sentineld regress /runs/r1" in body
 
 

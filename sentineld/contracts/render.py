@@ -1,0 +1,202 @@
+"""The one renderer of a replay verdict, and the output formats every notification goes out in.
+
+:func:`render_verdict` turns a verdict (a :class:`~sentineld.contracts.verdict.Report` or its JSON)
+into ``(title, body)``; the replay's text output (``sentineld replay``), the daemon's notification
+and the demo all print that. :func:`format_body` turns any plain-text notification body into the
+format a destination takes:
+
+- ``text``: as is, line breaks kept (a terminal, the notifications log, a JSON webhook);
+- ``html``: HTML-escaped and pre-formatted (``<pre>``), so ``<run>`` and line breaks survive and
+  columns stay aligned in a mail client (apprise derives the email's text/plain part from it);
+- ``markdown``: CommonMark with the body in a fenced code block, which apprise translates to
+  Slack's mrkdwn (a code block there keeps line breaks and shows ``*`` or ``<`` literally).
+
+Imports no torch, apprise or rich: the daemon, the replay and the agent all use it.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import os
+import re
+import shlex
+from typing import Any, Mapping
+
+__all__ = ["FORMATS", "render_verdict", "format_body", "tensor_stats_text", "replay_command"]
+
+#: Output formats of :func:`format_body` (apprise's ``NotifyFormat`` values).
+FORMATS = ("text", "html", "markdown")
+
+
+def replay_command(run_dir: str, step: int | None = None) -> str:
+    """The exact command that replays ``step`` of the run in ``run_dir`` (shell-quoted)."""
+    cmd = f"sentineld replay {shlex.quote(str(run_dir))}"
+    return cmd if step is None else f"{cmd} --step {step}"
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return repr(v) if not math.isfinite(v) else f"{v:.6g}"
+    return str(v)
+
+
+def tensor_stats_text(s: Mapping[str, Any] | None) -> str:
+    """One tensor's stats (``replay.trace.tensor_stats``) in words: dtype, shape, the range of its
+    finite values and its NaN / +Inf / -Inf counts (a finite range alone hides an -inf).
+
+    Example: ``float32[4, 8] finite range [2.343, 2.916], NaN 0, +Inf 0, -Inf 1``.
+    """
+    if not s:
+        return "-"
+    shape = s.get("shape")
+    out = f"{s.get('dtype')}{list(shape) if shape is not None else ''}"
+    if s.get("finite_max_abs") is not None and s.get("min") is not None:
+        out += f" finite range [{s['min']:.4g}, {s['max']:.4g}]"
+    elif s.get("numel"):
+        out += " no finite value"
+    if "nan" in s or "posinf" in s or "neginf" in s:
+        counts = f"NaN {s.get('nan', 0)}, +Inf {s.get('posinf', 0)}, -Inf {s.get('neginf', 0)}"
+        out += f", {counts}" if s.get("nonfinite") or s.get("nan") or s.get("posinf") or s.get("neginf") \
+            else ", all finite"
+    elif s.get("nonfinite"):
+        out += f", {s['nonfinite']} non-finite"
+    if s.get("zeros"):  # a zero denominator is the usual 0/0 or x/0
+        out += f", {s['zeros']} zeros"
+    return out
+
+
+def _title(r: Mapping[str, Any]) -> str:
+    run, step, phase = r.get("run_id", "?"), r.get("step", "?"), r.get("phase", "none")
+    module = r.get("module")
+    if phase == "none":
+        return f"[sentineld] replay of run {run} step {step}: every value finite"
+    if phase == "data":
+        return f"[sentineld] replay of run {run} step {step}: non-finite input data"
+    return (f"[sentineld] replay of run {run}: step {step} went non-finite in {phase}"
+            + (f", module {module}" if module else ""))
+
+
+def _micro_batch(ev: Mapping[str, Any]) -> str | None:
+    """``2 of 3`` (1-based) when the step accumulated gradients over several micro-batches (one
+    loss per micro-batch in ``micro_losses``); for a data verdict the micro-batch is the first
+    index of the field (``batch[1][0]``: the step's batch is the list of its micro-batches)."""
+    micro, losses = ev.get("micro_batch"), ev.get("micro_losses") or []
+    if micro is None and ev.get("field"):
+        m = re.match(r"batch\[(\d+)\]", str(ev["field"]))
+        micro = int(m.group(1)) if m else None
+    if micro is None or len(losses) < 2:
+        return None
+    return f"{int(micro) + 1} of {len(losses)}"
+
+
+def _evidence_lines(r: Mapping[str, Any]) -> list[str]:
+    ev: Mapping[str, Any] = r.get("evidence") or {}
+    out = []
+    if r.get("phase") == "data" and ev.get("field"):
+        first = (ev.get("fields") or [{}])[0]
+        stats = f"  {tensor_stats_text(first['stats'])}" if first.get("stats") else ""
+        out.append(f"field: {ev['field']}  samples: {ev.get('samples')}{stats}")
+    if ev.get("op_inputs") is not None and r.get("op") and r.get("op") != "lr":
+        out.append(f"op inputs: {'; '.join(tensor_stats_text(s) for s in ev['op_inputs']) or '-'}")
+        out.append(f"op output: {tensor_stats_text(ev.get('op_output'))}")
+    if ev.get("state_entry"):
+        eps = ev.get("eps")
+        out.append(f"optimizer state: {ev['state_entry']}" + (
+            f" (eps {eps['eps']:g} is {eps['in_param_dtype']:g} in {eps['param_dtype']})" if eps else ""))
+    origin = ev.get("inf_gradient_origin")
+    if origin:
+        out.append(f"Inf gradient made in backward of module '{origin.get('module')}', op "
+                   f"{origin.get('op')} [{origin.get('autograd_node')}]")
+    sched = ev.get("scheduler")
+    if sched:
+        out.append(f"lr used by the step {sched.get('lr_used_by_step')}, set for the next "
+                   f"{sched.get('lr_set_for_next_step')} (last_epoch {sched.get('last_epoch')})")
+    if r.get("phase") == "none":
+        out.append(f"recorded run non-finite here: {r.get('recorded_nonfinite')}")
+    if ev.get("warning"):
+        out.append(f"warning: {ev['warning']}")
+    if ev.get("not_checked"):  # a forward-only verdict (no loss_fn, no recipe)
+        out.append(f"not checked: {', '.join(map(str, ev['not_checked']))}; to check them, "
+                   f"{ev.get('how_to_enable', '')}")
+    return out
+
+
+def render_verdict(report: Any, fmt: str = "text") -> tuple[str, str]:
+    """Title and body of a replay verdict.
+
+    Args:
+        report: a :class:`~sentineld.contracts.verdict.Report` or its JSON dict (as the replay
+            subprocess printed it, non-finite floats possibly as strings).
+        fmt: output format of the body, one of :data:`FORMATS` (:func:`format_body`).
+
+    Returns:
+        ``(title, body)``: the title names run, step, phase and module; the body has one
+        ``label: value`` line per fact (phase, module, op, step, micro-batch under gradient
+        accumulation, parameters, reproduction, tensor stats with NaN/+Inf/-Inf counts, cause,
+        fix), then the commands to replay, report and regress the run, each on a line of its own.
+        The title is plain text in every format (a subject line).
+
+    Raises:
+        ValueError: ``fmt`` is not one of :data:`FORMATS`.
+    """
+    r: Mapping[str, Any] = report if isinstance(report, Mapping) else _as_dict(report)
+    step, phase = r.get("step", "?"), r.get("phase", "none")
+    mtype, node = r.get("module_type"), r.get("autograd_node")
+    ev: Mapping[str, Any] = r.get("evidence") or {}
+    lines = [
+        f"phase: {phase}",
+        f"module: {r.get('module') or '-'} ({mtype or '-'})",
+        f"op: {r.get('op') or '-'}" + (f"  autograd node: {node}" if node else ""),
+        f"step: {step} (requested {r.get('requested_step', step)})",
+    ]
+    micro = _micro_batch(ev)
+    if micro and phase in ("forward", "backward", "data"):
+        lines.append(f"micro-batch: {micro} (gradient accumulation)")
+    snap = f"; snapshot at step {ev['snapshot_step']}" if ev.get("snapshot_step") is not None else ""
+    lines += [
+        f"parameters: {', '.join(r.get('parameters') or []) or '-'}",
+        f"reproduced: {r.get('reproduced')} (max loss deviation {_fmt(r.get('max_loss_deviation', 0.0))} "
+        f"over {r.get('steps_rebuilt', 0)} rebuilt steps{snap})",
+        *_evidence_lines(r),
+        f"likely cause: {r.get('cause', '')}",
+        f"fix: {r.get('fix', '')}",
+    ]
+    if r.get("capture"):  # captures live in the run directory; so does its report
+        run_dir = os.path.dirname(str(r["capture"]))
+        lines += [f"replay it: {replay_command(run_dir, r.get('requested_step', step))}",
+                  f"report: sentineld report {shlex.quote(run_dir)}",
+                  f"  writes {os.path.join(run_dir, 'report.html')}",
+                  f"regression test: sentineld regress {shlex.quote(run_dir)}"]
+    return _title(r), format_body("\n".join(lines) + "\n", fmt)
+
+
+def _as_dict(report: Any) -> dict[str, Any]:
+    from dataclasses import asdict  # noqa: PLC0415
+
+    return asdict(report)
+
+
+def format_body(body: str, fmt: str) -> str:
+    """``body`` (plain text, lines separated by ``\\n``) in output format ``fmt``.
+
+    Args:
+        body: a notification body from :func:`render_verdict` or ``sentineld.daemon.messages``.
+        fmt: one of :data:`FORMATS`.
+
+    Returns:
+        ``text``: ``body``; ``html``: one escaped ``<pre>`` block (line breaks and alignment kept,
+        never wrapped: a command stays on one line); ``markdown``: the body in a fenced code block.
+
+    Raises:
+        ValueError: ``fmt`` is not one of :data:`FORMATS`.
+    """
+    if fmt == "text":
+        return body
+    if fmt == "html":
+        return ('<pre style="font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 13px; '
+                f'white-space: pre; overflow-x: auto">{html.escape(body.rstrip(chr(10)), quote=False)}</pre>\n')
+    if fmt == "markdown":
+        fence = "~~~" if "```" in body else "```"
+        return f"{fence}\n{body.rstrip(chr(10))}\n{fence}\n"
+    raise ValueError(f"unknown output format {fmt!r}; expected one of {', '.join(FORMATS)}")

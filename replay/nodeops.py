@@ -41,14 +41,31 @@ def custom_function_name(node: Any) -> str | None:
     return None
 
 
+def _makes_nodes(packet: Any) -> bool:
+    """Some (non-``out``) overload of the aten op has its own autograd formula: it is not only a
+    composite of other ops (``softmax`` is; its node comes from ``_softmax``)."""
+    implicit = torch._C.DispatchKey.CompositeImplicitAutograd
+    for name in packet.overloads():
+        if name.endswith("out"):
+            continue
+        try:
+            if not getattr(packet, name).has_kernel_for_dispatch_key(implicit):
+                return True
+        except RuntimeError:  # an overload listed but not registered in this build
+            continue
+    return False
+
+
 def op_from_node_name(name: str) -> str | None:
-    """``"AcosBackward0"`` -> ``"aten.acos"`` when that aten op exists (``_softmax`` too), else None."""
+    """``"AcosBackward0"`` -> ``"aten.acos"``, ``"SoftmaxBackward0"`` -> ``"aten._softmax"``: the aten
+    op of that name that makes autograd nodes itself, else None."""
     stem = _BACKWARD_SUFFIX.sub("", name.removeprefix("torch::autograd::"))
     if not stem or stem == name:
         return None
     snake = _CAMEL.sub("_", stem).lower()
     for cand in (snake, f"_{snake}", f"{snake}_forward"):
-        if hasattr(torch.ops.aten, cand):
+        packet = getattr(torch.ops.aten, cand, None)
+        if packet is not None and _makes_nodes(packet):
             return f"aten.{cand}"
     return None
 

@@ -192,7 +192,7 @@ def _place(report: Report, module: str | None, mtype: str | None) -> None:
         report.where = (f"loss module {report.module_type}, outside the model" if module else OUTSIDE_MODEL)
     else:
         report.module, report.module_type = module, mtype
-        report.where = f"module '{module}' ({mtype})"
+        report.where = f"module '{module}' ({mtype})" if module else f"the model's own forward ({mtype})"
 
 
 def _data(report: Report, fields: list[dict[str, Any]]) -> Report:
@@ -228,6 +228,8 @@ def _forward(report: Report, recipe: Recipe, tracer: Tracer) -> Report:
     if b is None:
         # Non-finite without a birth: the rebuilt state already held it.
         _place(report, first_call.name if first_call else None, first_call.module_type if first_call else None)
+        if first_call is None:
+            report.where = "the rebuilt state (parameters, buffers)"
         report.cause_class = "state_nonfinite"
         report.cause = "non-finite values were already in the rebuilt state"
         report.fix = "replay an earlier step (--step) to find where they were made"

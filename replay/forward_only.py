@@ -110,6 +110,7 @@ def localize_forward(model: torch.nn.Module, snapshot_step: int, calls: list[For
             report.phase = "data"
             report.evidence.update(field=fields[0]["field"], samples=fields[0]["samples"], fields=fields)
             report.cause, report.reproduced = "the model's forward got non-finite inputs", True
+            report.cause_class, report.where = "data_nonfinite", f"forward inputs, {fields[0]['field']}"
             report.fix = "check the data pipeline for the samples named (NaN/Inf in the input)"
             break
         tracer, bad = _run(model, call, set_rng)
@@ -133,6 +134,7 @@ def localize_forward(model: torch.nn.Module, snapshot_step: int, calls: list[For
                         f"{snapshot_step}'s parameters: the non-finite value was made in the loss, "
                         "backward or optimizer step, or by parameters changed since the snapshot")
         report.fix = HOW_TO_ENABLE
+        report.cause_class = "not_checked"
     report.steps_rebuilt = 0
     report.elapsed_s = report.localize_s = round(time.perf_counter() - t0, 4)
     return report

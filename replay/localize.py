@@ -6,13 +6,18 @@ The verdict follows the step's order and stops at the first phase that went wron
 - ``forward``: a micro-batch's loss is non-finite. The culprit is the first op *birth*
   (``replay.trace``) whose module call let the non-finite value out (a birth masked inside its
   module, e.g. ``where(x > 0, log(x), 0)``, does not count); its innermost module is named, or
-  ``loss`` when the op ran outside the model (a hand-written or functional loss).
-- ``backward``: the loss is finite but a gradient is not: the first birth in backward, its module
-  (the module whose forward created the autograd node, or the owner of the parameter for
-  ``AccumulateGrad``), op and node, and the parameters whose gradients went non-finite.
+  ``module`` null and ``where`` saying so when the op ran outside the model (a hand-written or
+  functional loss).
+- ``backward``: the loss is finite but a gradient is not: the first birth in backward whose values
+  were not masked (``replay.masking``), traced to its earliest ancestor; its module (the module
+  whose forward created the autograd node, or the owner of the parameter for ``AccumulateGrad``),
+  the forward op whose derivative made it as ``op`` (the derivative's primitive, the node, a
+  custom Function and whether torch.where took the output in evidence), and the parameters whose
+  gradients went non-finite. Without a birth in backward, a masked forward birth (``where(x > 0,
+  sqrt(x), 0)`` at x < 0) is the origin.
 - ``optimizer``: gradients finite (or Inf turned into NaN by clipping, which counts here), but
   parameters or optimizer state are non-finite after the step, or the learning rate is
-  non-finite (``module`` = ``lr_scheduler``). Names the parameters, the state entry (e.g. a zero
+  non-finite (``module`` null, ``where`` names the scheduler). Names the parameters, the state entry (e.g. a zero
   ``exp_avg_sq`` with an eps that is 0 in float16) and the op.
 - ``none``: every value finite (a GradScaler-skipped step with Inf gradients counts as finite).
 """
@@ -25,7 +30,7 @@ from typing import Any
 import torch
 
 from sentineld.contracts.recipe import Recipe
-from sentineld.contracts.verdict import Report
+from sentineld.contracts.verdict import OUTSIDE_MODEL, Report
 
 from .causes import Facts, likely_cause
 from .rebuild import run_step
@@ -173,13 +178,26 @@ def _verdict(report: Report, recipe: Recipe, tracer: Tracer, seen: dict[str, Any
 
 def _set_cause(report: Report, facts: Facts) -> Report:
     c = likely_cause(facts)
-    report.cause, report.fix = c.cause, c.fix
+    report.cause_class, report.cause, report.fix = c.cls, c.cause, c.fix
     report.evidence["nan_table_row"] = c.row
     return report
 
 
+def _place(report: Report, module: str | None, mtype: str | None) -> None:
+    """Set ``module`` / ``module_type`` / ``where`` from a tracer's module name (``<Type>`` or None:
+    outside the model)."""
+    if module is None or module.startswith("<"):
+        report.module = None
+        report.module_type = module.strip("<>") if module else None
+        report.where = (f"loss module {report.module_type}, outside the model" if module else OUTSIDE_MODEL)
+    else:
+        report.module, report.module_type = module, mtype
+        report.where = f"module '{module}' ({mtype})" if module else f"the model's own forward ({mtype})"
+
+
 def _data(report: Report, fields: list[dict[str, Any]]) -> Report:
     report.phase = "data"
+    report.where = f"input batch, {fields[0]['field']}"
     report.evidence.update(field=fields[0]["field"], samples=fields[0]["samples"], fields=fields)
     return _set_cause(report, Facts("data"))
 
@@ -209,16 +227,15 @@ def _forward(report: Report, recipe: Recipe, tracer: Tracer) -> Report:
     b = next((b for b in tracer.births if b.phase == "forward" and _propagates(b, tracer)), None)
     if b is None:
         # Non-finite without a birth: the rebuilt state already held it.
-        report.module = first_call.name if first_call else None
-        report.module_type = first_call.module_type if first_call else None
+        _place(report, first_call.name if first_call else None, first_call.module_type if first_call else None)
+        if first_call is None:
+            report.where = "the rebuilt state (parameters, buffers)"
+        report.cause_class = "state_nonfinite"
         report.cause = "non-finite values were already in the rebuilt state"
         report.fix = "replay an earlier step (--step) to find where they were made"
         return report
-    module, mtype = b.module, b.module_type
-    if module is None or module.startswith("<"):
-        mtype = module.strip("<>") if module else "function"
-        module = "loss"
-    report.module, report.module_type, report.op = module, mtype, b.op
+    _place(report, b.module, b.module_type)
+    report.op = b.op
     report.parameters = _module_params(recipe, b.module)
     report.evidence.update(op_inputs=b.inputs, op_output=b.output, micro_batch=b.micro, kind=b.kind)
     if b.call is not None:
@@ -226,21 +243,45 @@ def _forward(report: Report, recipe: Recipe, tracer: Tracer) -> Report:
     return _set_cause(report, Facts("forward", b.op, b.kind, b.inputs, b.output))
 
 
+def _backward_birth(tracer: Tracer) -> Birth | None:
+    """The first backward birth not masked later, traced back to its earliest backward ancestor."""
+    births = [b for b in tracer.births if b.phase == "backward"]
+    b = next((b for b in births if not b.masked), births[0] if births else None)
+    if b is not None and tracer.births[b.root].phase == "backward":
+        b = tracer.births[b.root]
+    return b
+
+
 def _backward(report: Report, recipe: Recipe, tracer: Tracer, bad_grads: list[str]) -> Report:
     report.phase = "backward"
     report.parameters = bad_grads
-    b = next((b for b in tracer.births if b.phase == "backward"), None)
+    b = _backward_birth(tracer)
+    masked_fwd = None
     if b is None:
+        masked_fwd = next((m for m in tracer.births if m.phase == "forward" and not _propagates(m, tracer)), None)
+    if b is None and masked_fwd is None:
+        report.cause_class = "no_birth"
         report.cause = "gradients were non-finite without a birth in backward"
         report.fix = "check gradient hooks or custom autograd Functions that write gradients"
         return report
-    module = b.module if b.module is not None else "loss"
-    report.module = module
-    report.module_type = b.module_type if b.module is not None else "function"
-    report.op, report.autograd_node = b.op, b.autograd_node
-    report.evidence.update(op_inputs=b.inputs, op_output=b.output, micro_batch=b.micro, kind=b.kind)
+    if masked_fwd is not None:
+        # The forward made NaN/Inf in elements a selector dropped; backward multiplies through them.
+        _place(report, masked_fwd.module, masked_fwd.module_type)
+        report.op = masked_fwd.op
+        report.evidence.update(op_inputs=masked_fwd.inputs, op_output=masked_fwd.output, kind=masked_fwd.kind,
+                               micro_batch=masked_fwd.micro, masked_forward_birth=masked_fwd.summary())
+        return _set_cause(report, Facts("backward", masked_fwd.op, masked_fwd.kind, masked_fwd.inputs,
+                                        masked_fwd.output, forward_op=masked_fwd.op, masked_forward=True))
+    assert b is not None
+    _place(report, b.module, b.module_type)
+    report.op = b.forward_op or b.op
+    report.autograd_node = b.autograd_node
+    report.evidence.update(op_inputs=b.inputs, op_output=b.output, micro_batch=b.micro, kind=b.kind,
+                           primitive=b.op, forward_op=b.forward_op, custom_function=b.custom_function,
+                           where_branch=b.where_branch)
     return _set_cause(report, Facts("backward", b.op, b.kind, b.inputs, b.output, node=b.autograd_node,
-                                    zero_grad=recipe.zero_grad))
+                                    forward_op=b.forward_op, custom_function=b.custom_function,
+                                    where_branch=b.where_branch, zero_grad=recipe.zero_grad))
 
 
 def _owner(recipe: Recipe, pname: str) -> tuple[str | None, str | None]:
@@ -255,8 +296,9 @@ def _clip(report: Report, recipe: Recipe, tracer: Tracer, clip_nan: Birth, inf_g
     report.phase = "optimizer"
     report.op = clip_nan.op
     report.parameters = inf_grads
-    report.module, report.module_type = _owner(recipe, inf_grads[0])
-    origin = next((b for b in tracer.births if b.phase == "backward"), None)
+    _place(report, *_owner(recipe, inf_grads[0]))
+    report.where = f"gradient clipping (clip_grad_norm_ {recipe.clip_grad_norm:g})"
+    origin = _backward_birth(tracer)
     report.evidence.update(op_inputs=clip_nan.inputs, op_output=clip_nan.output,
                            clip_grad_norm=recipe.clip_grad_norm,
                            inf_gradient_origin=origin.summary() if origin else None)
@@ -267,9 +309,10 @@ def _clip(report: Report, recipe: Recipe, tracer: Tracer, clip_nan: Birth, inf_g
 def _scheduler(report: Report, recipe: Recipe, lr: float | None, lr_after: float | None,
                bad_params: list[str]) -> Report:
     report.phase = "optimizer"
-    report.module, report.op = "lr_scheduler", "lr"
+    report.module, report.op = None, "lr"
     sched = recipe.scheduler
     report.module_type = type(sched).__name__ if sched is not None else None
+    report.where = f"learning-rate scheduler ({report.module_type or 'none'})"
     report.parameters = bad_params
     report.evidence["scheduler"] = {
         "type": report.module_type, "last_epoch": getattr(sched, "last_epoch", None),
@@ -298,6 +341,7 @@ def _optimizer(report: Report, recipe: Recipe, tracer: Tracer, bad_params: list[
     first = params[0] if params else None
     if first is not None:
         report.module, report.module_type = _owner(recipe, first)
+    report.where = f"optimizer step ({type(recipe.optimizer).__name__})"
     report.op = b.op if b else None
     eps_lost, state_ev = False, []
     pmap = dict(recipe.model.named_parameters())

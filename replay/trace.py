@@ -14,7 +14,9 @@ Module forward hooks keep the module stack and, for each module call, whether it
 non-finite and which autograd nodes it created (found by walking the graph back from its outputs
 to nodes older than the call, using autograd's sequence numbers). A birth in backward is traced to
 its module through ``torch._C._current_autograd_node()``; an ``AccumulateGrad`` node to the module
-owning the parameter.
+owning the parameter. Its forward op (the op whose derivative ran, :mod:`replay.nodeops`) is
+recorded while the graph is built; births whose values a later op dropped are marked masked
+(:mod:`replay.masking`).
 """
 
 from __future__ import annotations
@@ -23,11 +25,15 @@ import contextlib
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from .masking import Provenance
+from .nodeops import NodeOps, custom_function_name
+from .tensorstats import _float_tensors, is_finite, nonfinite_flags, one_thread, tensor_stats
 
 __all__ = ["Birth", "ModuleCall", "Tracer", "tensor_stats", "nonfinite_flags", "is_finite", "one_thread"]
 
@@ -37,75 +43,6 @@ _SKIP_PREFIXES = ("aten.empty", "aten.new_empty", "aten.set_", "aten.detach", "a
                   "aten.alias", "aten.resize_", "aten._local_scalar_dense", "aten.is_nonzero")
 _SEQ_NONE = 2 ** 64 - 1  # AccumulateGrad nodes carry UINT64_MAX as sequence number
 _get_seq = getattr(torch._C._autograd, "_get_sequence_nr", None)
-
-
-def _float_tensors(objs: Iterable[Any]) -> list[torch.Tensor]:
-    return [o for o in objs if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex())
-            and o.numel() and o.device.type != "meta"]
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Run checks on one thread: on a busy two-core machine a two-thread reduction of a small
-    tensor waits milliseconds for a descheduled sibling (measured 2.2 ms vs 11 us). The step's own
-    ops keep the run's thread count (bit-for-bit reproduction depends on it)."""
-    n = torch.get_num_threads()
-    if n == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-def is_finite(t: torch.Tensor) -> bool:
-    """Every element of ``t`` is finite (max and min reductions: no temporary the size of ``t``)."""
-    if t.numel() == 0 or not (t.is_floating_point() or t.is_complex()):
-        return True
-    if t.is_complex():
-        return bool(torch.isfinite(t).all())
-    return bool(torch.isfinite(t.amax()) & torch.isfinite(t.amin()))
-
-
-def nonfinite_flags(ts: Iterable[torch.Tensor]) -> tuple[bool, bool]:
-    """``(any NaN, any +-Inf)`` over tensors; two reductions per finite tensor."""
-    nan = inf = False
-    for t in ts:
-        if is_finite(t):
-            continue
-        nan = nan or bool(torch.isnan(t).any())
-        inf = inf or bool(torch.isinf(t).any())
-        if nan and inf:
-            break
-    return nan, inf
-
-
-def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
-    """Evidence for one tensor: dtype, shape, min / max / max|x| over finite values, counts.
-
-    Returns a JSON-ready dict: ``dtype``, ``shape``, and for floating tensors ``numel``, ``nan``,
-    ``posinf``, ``neginf``, ``nonfinite``, ``zeros``, ``min``, ``max``, ``finite_max_abs`` (the
-    last three None when nothing is finite).
-    """
-    t = t.detach()
-    stats: dict[str, Any] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
-        return stats
-    f = t.float() if not t.is_complex() else t.abs().float()
-    finite = torch.isfinite(f)
-    vals = f[finite]
-    nan = int(torch.isnan(f).sum())
-    posinf, neginf = int((f == math.inf).sum()), int((f == -math.inf).sum())
-    stats.update(
-        numel=int(t.numel()), nan=nan, posinf=posinf, neginf=neginf, nonfinite=nan + posinf + neginf,
-        zeros=int((f == 0).sum()),
-        min=float(vals.min()) if vals.numel() else None,
-        max=float(vals.max()) if vals.numel() else None,
-        finite_max_abs=float(vals.abs().max()) if vals.numel() else None,
-    )
-    return stats
 
 
 @dataclass
@@ -124,6 +61,13 @@ class Birth:
         call: index into :attr:`Tracer.calls` of the innermost module call (forward), else None.
         micro: micro-batch index (forward/backward).
         autograd_node: in backward, the autograd node's name (e.g. ``SqrtBackward0``).
+        forward_op: in backward, the forward op whose derivative the node computes (``aten.sqrt``),
+            or a custom autograd Function's class name; None for ``AccumulateGrad``.
+        custom_function: in backward, the custom autograd Function whose backward ran, else None.
+        where_branch: in backward, the node's forward output went into ``torch.where`` /
+            ``masked_fill`` (its unselected elements get a zero gradient).
+        masked: a later op dropped every non-finite value seen descending from it.
+        root: position in :attr:`Tracer.births` of the earliest birth it descends from.
         inputs, output: :func:`tensor_stats` of the op's tensor inputs (first four) and output.
         scalars: non-tensor numeric arguments.
         tensor_names: names of parameters / gradients / optimizer state among the op's tensors.
@@ -142,11 +86,18 @@ class Birth:
     output: dict[str, Any] = field(default_factory=dict)
     scalars: list[float] = field(default_factory=list)
     tensor_names: list[str] = field(default_factory=list)
+    forward_op: str | None = None
+    custom_function: str | None = None
+    where_branch: bool = False
+    masked: bool = False
+    root: int = 0
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready short form for evidence."""
         return {"phase": self.phase, "kind": self.kind, "op": self.op, "module": self.module,
-                "autograd_node": self.autograd_node, "micro_batch": self.micro,
+                "autograd_node": self.autograd_node, "forward_op": self.forward_op,
+                "custom_function": self.custom_function, "where_branch": self.where_branch,
+                "masked": self.masked, "micro_batch": self.micro,
                 "inputs": self.inputs, "output": self.output, "tensors": self.tensor_names}
 
 
@@ -197,29 +148,40 @@ class _Dispatch(TorchDispatchMode):
         if (not tr.active or tr.paused or not tr.wants_birth or getattr(func, "is_view", False)
                 or name.startswith(_SKIP_PREFIXES)):
             return func(*args, **kwargs)
+        forward = tr.phase == "forward"
+        if forward:
+            tr.nodes.flush()
         leaves = tree_flatten((args, kwargs))[0]
         ins = _float_tensors(leaves)
         scalars = [float(x) for x in leaves if isinstance(x, float)]
         with one_thread():
             in_nan, in_inf = nonfinite_flags(ins)
+            parents = tr.prov.parents(ins) if in_nan or in_inf else frozenset()
             in_nan = in_nan or any(math.isnan(s) for s in scalars)
             in_inf = in_inf or any(math.isinf(s) for s in scalars)
-            mutated = [] if in_nan else _float_tensors(_mutated(func, args, kwargs))
-            before = {id(t): t.clone() for t in mutated}  # an in-place op overwrites its input
+            mutated = _float_tensors(_mutated(func, args, kwargs)) if not in_nan or parents else []
+            before = {id(t): t.clone() for t in mutated} if not in_nan else {}  # in-place overwrites
         out = func(*args, **kwargs)
         tr.op_count += 1
-        if in_nan:  # nothing can be born NaN or Inf from a NaN input
+        if forward:
+            tr.nodes.observe(name, tr.current_module(), args, kwargs, out)
+        if in_nan and not parents:  # nothing can be born NaN or Inf from a NaN input
             return out
         outs = _float_tensors(tree_flatten(out)[0]) + mutated
         if not outs:
             return out
         with one_thread():
             out_nan, out_inf = nonfinite_flags(outs)
-            kind = "nan" if out_nan else "inf" if (out_inf and not in_inf) else None
+            kind = None if in_nan else "nan" if out_nan else "inf" if (out_inf and not in_inf) else None
             if kind is not None:
-                bad = next(t for t in outs if not is_finite(t))
+                bad = [t for t in outs if not is_finite(t)]
                 in_stats = [tensor_stats(before.get(id(t), t)) for t in ins[:4]]
-                tr.record_birth(kind, name, in_stats, bad, scalars, tr.names_of(ins + mutated))
+                tr.record_birth(kind, name, in_stats, bad[0], scalars, tr.names_of(ins + mutated))
+                tr.prov.born(len(tr.births) - 1, bad, parents)
+            elif parents and (out_nan or out_inf):
+                tr.prov.carried([t for t in outs if not is_finite(t)], parents)
+            elif parents:
+                tr.prov.dropped(parents)
         return out
 
 
@@ -270,6 +232,10 @@ class Tracer:
         self._node_module: dict[int, tuple[str, Any]] = {}  # id(node) -> (module, node kept alive)
         self._handles: list[Any] = []
         self._mode: _Dispatch | None = None
+        #: forward op of each autograd node made in the traced forward.
+        self.nodes = NodeOps()
+        #: which births descend from which, and which were masked.
+        self.prov = Provenance()
 
     @property
     def wants_birth(self) -> bool:
@@ -289,7 +255,19 @@ class Tracer:
         """Mark the start of ``phase`` (see :data:`sentineld.contracts.recipe.PHASES`)."""
         if phase == "forward":
             self.micro += 1
+        elif self.phase == "forward":
+            self.nodes.flush()
         self.phase = phase
+
+    def current_module(self) -> str | None:
+        """Innermost module running now (forward), None outside every module."""
+        return self._stack[-1][0] if self._stack else None
+
+    def finish(self) -> None:
+        """Settle each birth's ``masked`` and ``root`` (call once the step ran)."""
+        for i, b in enumerate(self.births):
+            b.masked = i in self.prov.masked
+            b.root = self.prov.root(i)
 
     def names_of(self, ts: list[torch.Tensor]) -> list[str]:
         """Names of parameters / grads / optimizer state among ``ts`` (only outside forward)."""
@@ -345,13 +323,19 @@ class Tracer:
                      scalars: list[float], names: list[str]) -> None:
         module: str | None = self._stack[-1][0] if self._stack else None
         call = self._stack[-1][1] if self._stack else None
-        node_name = None
+        node_name = fwd_op = custom = None
+        where_branch = False
         if self.phase == "backward":
             node = torch._C._current_autograd_node()
             module = None
             if node is not None:
                 node_name = node.name().removeprefix("torch::autograd::")
                 origin = self._node_module.get(id(node))
+                if "AccumulateGrad" not in node_name:
+                    fwd_op, fwd_module, _ = self.nodes.forward_op(node)
+                    custom = custom_function_name(node)
+                    where_branch = self.nodes.where_fed(node)
+                    module = fwd_module  # the module running the op that made the node
                 if origin is not None:
                     module = origin[0]
                 elif "AccumulateGrad" in node_name:
@@ -367,7 +351,8 @@ class Tracer:
         self.births.append(Birth(
             index=self.op_count, phase=self.phase, kind=kind, op=op, module=module, module_type=mtype,
             call=call, micro=max(self.micro, 0), autograd_node=node_name, inputs=in_stats,
-            output=tensor_stats(out), scalars=scalars[:4], tensor_names=names))
+            output=tensor_stats(out), scalars=scalars[:4], tensor_names=names, forward_op=fwd_op,
+            custom_function=custom, where_branch=where_branch))
 
     # ------------------------------------------------------------------ lifetime
     def __enter__(self) -> "Tracer":
@@ -403,3 +388,6 @@ class Tracer:
         self._handles = []
         self._stack.clear()
         self._node_module.clear()
+        self.finish()
+        self.nodes.clear()
+        self.prov.clear()

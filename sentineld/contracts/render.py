@@ -73,8 +73,8 @@ def _title(r: Mapping[str, Any]) -> str:
         return f"[sentineld] replay of run {run} step {step}: every value finite"
     if phase == "data":
         return f"[sentineld] replay of run {run} step {step}: non-finite input data"
-    return (f"[sentineld] replay of run {run}: step {step} went non-finite in {phase}"
-            + (f", module {module}" if module else ""))
+    where = f", module {module}" if module else (f", in the {r['where']}" if r.get("where") else "")
+    return f"[sentineld] replay of run {run}: step {step} went non-finite in {phase}{where}"
 
 
 def _micro_batch(ev: Mapping[str, Any]) -> str | None:
@@ -146,7 +146,8 @@ def render_verdict(report: Any, fmt: str = "text") -> tuple[str, str]:
     ev: Mapping[str, Any] = r.get("evidence") or {}
     lines = [
         f"phase: {phase}",
-        f"module: {r.get('module') or '-'} ({mtype or '-'})",
+        f"module: {r.get('module') or '-'} ({mtype or '-'})"
+        + (f", {r['where']}" if r.get("where") and not r.get("module") else ""),  # null module: the loss, ...
         f"op: {r.get('op') or '-'}" + (f"  autograd node: {node}" if node else ""),
         f"step: {step} (requested {r.get('requested_step', step)})",
     ]

@@ -5,14 +5,20 @@
 
 JSON fields (stable; ``schema_version`` bumps on any change): ``schema_version``, ``run_id``,
 ``rank``, ``step`` (the offending step), ``requested_step``, ``phase`` (``data`` | ``forward`` |
-``backward`` | ``optimizer`` | ``none``), ``module``, ``module_type``, ``op``, ``autograd_node``,
-``parameters``, ``reproduced``, ``max_loss_deviation``, ``steps_rebuilt``, ``recorded_nonfinite``,
-``cause``, ``fix``, ``evidence``, ``capture``, ``elapsed_s``, ``rebuild_s`` (loading the capture and
-re-executing S..N-1), ``localize_s`` (the instrumented step).
+``backward`` | ``optimizer`` | ``none``), ``module`` (a qualified name from the model's
+``named_modules()``, or null), ``where`` (where the value was made, in words; the only place named
+when ``module`` is null, e.g. ``loss function, outside the model``), ``module_type``, ``op`` (for
+a backward birth the *forward* op whose gradient went non-finite, e.g. ``aten.acos``, or a custom
+autograd Function's class name; the primitive inside its derivative is ``evidence.primitive``),
+``autograd_node``, ``parameters``, ``reproduced``, ``max_loss_deviation``, ``steps_rebuilt``,
+``recorded_nonfinite``, ``cause_class`` (one of :data:`CAUSE_CLASSES`), ``cause``, ``fix``,
+``evidence``, ``capture``, ``elapsed_s``, ``rebuild_s`` (loading the capture and re-executing
+S..N-1), ``localize_s`` (the instrumented step).
 
 ``evidence`` keys by phase: ``data``: ``field``, ``samples``, ``fields``; ``forward``:
 ``op_inputs``, ``op_output``, ``module_call``, ``first_nonfinite_module``, ``micro_batch``;
-``backward``: ``op_inputs``, ``op_output``; ``optimizer``: ``state_entry``, ``optimizer_state``,
+``backward``: ``op_inputs``, ``op_output``, ``primitive``, ``forward_op``, ``custom_function``,
+``where_branch``; ``optimizer``: ``state_entry``, ``optimizer_state``,
 ``eps``, ``inf_gradient_origin`` (clipping), ``scheduler`` (learning rate); always
 ``replayed_loss``, ``recorded_loss``, ``rebuilt_losses``, ``births``, ``nan_table_row``,
 ``precision``, ``torch_flags``; a verdict of the training process itself (``attach(loss_fn=)``,
@@ -27,9 +33,43 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["REPORT_SCHEMA_VERSION", "Report", "render_text", "notification_text"]
+__all__ = ["REPORT_SCHEMA_VERSION", "CAUSE_CLASSES", "OUTSIDE_MODEL", "Report", "report_problems",
+           "render_text", "notification_text"]
 
-REPORT_SCHEMA_VERSION = 1
+#: 2: ``where`` and ``cause_class`` added; ``module`` is null outside the model (was ``"loss"`` /
+#: ``"lr_scheduler"``); a backward ``op`` is the forward op (was the derivative's primitive).
+REPORT_SCHEMA_VERSION = 2
+
+#: ``where`` of a value made outside every module of the model (the recipe's loss function).
+OUTSIDE_MODEL = "loss function, outside the model"
+
+#: What a verdict's likely cause is, decided from its evidence (``replay/causes.py``), one line each.
+CAUSE_CLASSES: dict[str, str] = {
+    "data_nonfinite": "the batch holds NaN/Inf",
+    "state_nonfinite": "the rebuilt state already held NaN/Inf",
+    "lr_too_high": "an update or activation overflowed because the learning rate is too high",
+    "lr_schedule": "the learning-rate schedule made a non-finite learning rate",
+    "log_zero": "log of an exact zero",
+    "domain_error": "an op outside its domain (log/sqrt of a negative number, acos of |x| > 1)",
+    "div_zero": "a division by zero",
+    "var_one_element": "an unbiased variance over one element (N - 1 = 0)",
+    "softmax_all_masked": "a softmax over a fully masked row",
+    "mean_empty": "a mean over zero elements",
+    "fp16_overflow": "a value above the float16 range",
+    "grad_at_singularity": "an op finite at its input whose derivative is not there (sqrt(0), acos(1), x**p at 0)",
+    "where_masked_branch": "a non-finite derivative in the branch torch.where / masked_fill did not select",
+    "custom_backward": "the backward of a custom autograd Function",
+    "grad_explosion": "gradients grew through the chain rule until they overflowed",
+    "grad_accumulated": "gradients summed across steps (no zero_grad) until they overflowed",
+    "clip_of_inf": "gradient clipping of an Inf gradient (inf * 0 = NaN)",
+    "optimizer_eps_lost": "the optimizer's eps is 0 in the parameter dtype",
+    "optimizer_div_zero": "a division by zero in the optimizer step",
+    "no_birth": "non-finite values appeared without an op making them (hooks or in-place writes)",
+    "unknown": "an op made a non-finite value from finite inputs; no rule matched",
+    "not_checked": "the phase that went wrong was not checked (forward-only)",
+    "finite": "every value was finite",
+    "nondeterministic": "the run was non-finite here but the replay is not (non-deterministic step)",
+}
 
 
 @dataclass
@@ -42,6 +82,7 @@ class Report:
     requested_step: int
     phase: str
     module: str | None = None
+    where: str | None = None
     module_type: str | None = None
     op: str | None = None
     autograd_node: str | None = None
@@ -50,6 +91,7 @@ class Report:
     max_loss_deviation: float = 0.0
     steps_rebuilt: int = 0
     recorded_nonfinite: bool = False
+    cause_class: str = ""
     cause: str = ""
     fix: str = ""
     evidence: dict[str, Any] = field(default_factory=dict)
@@ -62,6 +104,26 @@ class Report:
     def to_json(self) -> str:
         """Strict JSON (non-finite floats become strings such as ``"nan"``)."""
         return json.dumps(_strict(asdict(self)), indent=2, sort_keys=True)
+
+
+def report_problems(report: Mapping[str, Any]) -> list[str]:
+    """What is wrong with a verdict's JSON object against this schema (empty: nothing).
+
+    Checks the fields this module defines the meaning of: ``module`` is a string or null,
+    ``where`` a string (required when ``module`` is null in ``forward`` / ``backward``),
+    ``cause_class`` one of :data:`CAUSE_CLASSES` (or empty in a verdict that names no cause).
+    """
+    out = []
+    module, where, cls = report.get("module"), report.get("where"), report.get("cause_class", "")
+    if module is not None and not isinstance(module, str):
+        out.append(f"module must be a qualified module name or null, got {module!r}")
+    if where is not None and not isinstance(where, str):
+        out.append(f"where must be a string or null, got {where!r}")
+    if module is None and report.get("phase") in ("forward", "backward") and not where:
+        out.append("a forward/backward verdict with module null must say where (the 'where' field)")
+    if cls and cls not in CAUSE_CLASSES:
+        out.append(f"cause_class {cls!r} is none of {sorted(CAUSE_CLASSES)}")
+    return out
 
 
 def _strict(obj: Any) -> Any:

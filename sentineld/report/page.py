@@ -130,7 +130,8 @@ def _verdict(r: ReportData, plots: list[str]) -> str:
     v = r.verdict
     if v is None:
         return "".join(out) + _missing(r.verdict_note)
-    where = f" in {v.get('phase')}" + (f", module {v['module']} ({v.get('module_type')})" if v.get("module") else "")
+    where = f" in {v.get('phase')}" + (f", module {v['module']} ({v.get('module_type')})" if v.get("module")
+                                       else f", {v['where']}" if v.get("where") else "")  # module null: say where
     op = f", op {v['op']}" if v.get("op") else ""
     head = (f"step {v.get('step')}: every value finite" if v.get("phase") == "none"
             else f"step {v.get('step')}: first non-finite value made{where}{op}")

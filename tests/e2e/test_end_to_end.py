@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from sentineld.contracts.verdict import REPORT_SCHEMA_VERSION
 from tests.conftest import REPO, wait_until
 
 TRAIN = Path(__file__).with_name("train_digits.py")
@@ -75,7 +76,7 @@ def test_zero_std_fault_emails_and_posts_the_culprit_module(smtp_server, http_si
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["module"] == "norm" and report["phase"] == "forward" and report["reproduced"] is True
-    assert report["schema_version"] == 1 and report["step"] == 0
+    assert report["schema_version"] == REPORT_SCHEMA_VERSION and report["step"] == 0
 
 
 @pytest.mark.slow

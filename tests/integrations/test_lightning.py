@@ -28,10 +28,10 @@ FAULT_STEP = 5
 CASES = {
     "data": ("data:1", (FAULT_STEP, "data", None, None, None, True)),
     "forward-accum2": ("forward:2", (FAULT_STEP, "forward", "norm", "Standardize", "aten.div", True)),
-    "loss-bf16": ("loss:1:bf16-mixed", (FAULT_STEP, "forward", "loss", "function", "aten.div", True)),
-    "backward-accum3-bf16": ("backward:3:bf16-mixed", (FAULT_STEP, "backward", "root", "Root", "aten.div", True)),
+    "loss-bf16": ("loss:1:bf16-mixed", (FAULT_STEP, "forward", None, None, "aten.div", True)),  # outside the model
+    "backward-accum3-bf16": ("backward:3:bf16-mixed", (FAULT_STEP, "backward", "root", "Root", "aten.sqrt", True)),
     # The scheduler's 5th step (at the end of step 4) returns an infinite LR factor.
-    "optimizer": ("optimizer:1", (FAULT_STEP - 1, "optimizer", "lr_scheduler", "LambdaLR", "lr", True)),
+    "optimizer": ("optimizer:1", (FAULT_STEP - 1, "optimizer", None, "LambdaLR", "lr", True)),
 }
 
 

@@ -20,10 +20,10 @@ CASES = {
     "data": ("data:1", (FAULT_STEP, "data", None, None, None, True)),
     "forward-accum2": ("forward:2", (FAULT_STEP, "forward", "bert.embeddings.LayerNorm", "LayerNorm",
                                      "aten.native_layer_norm", True)),
-    "loss-accum2-bf16": ("loss:2:bf16", (FAULT_STEP, "forward", "loss", "CrossEntropyLoss",
+    "loss-accum2-bf16": ("loss:2:bf16", (FAULT_STEP, "forward", None, "CrossEntropyLoss",
                                          "aten.nll_loss_forward", True)),
     # The model class is the script's own (__main__), loaded from the script by the replay.
-    "backward-accum2-script": ("backward:2", (FAULT_STEP, "backward", "root", "Root", "aten.div", True)),
+    "backward-accum2-script": ("backward:2", (FAULT_STEP, "backward", "root", "Root", "aten.sqrt", True)),
     # adam_epsilon=0: the parameters whose gradient is exactly 0 get 0/0 at the first step.
     "optimizer": ("optimizer:1", (0, "optimizer", "bert.embeddings.position_embeddings", "Embedding",
                                   "aten._fused_adamw_", True)),

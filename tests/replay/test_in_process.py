@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sentineld.contracts.verdict import OUTSIDE_MODEL, REPORT_SCHEMA_VERSION, report_problems
 from sentineld.contracts.verdict_file import verdict_path
 from sentineld.contracts.rundir import list_captures, read_run_meta
 from tests.replay.livecases import FAULT_STEP, train
@@ -22,23 +23,27 @@ def _verdict(run_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
-@pytest.mark.parametrize("fault, phase, module, op, step, node", [
-    ("forward", "forward", "feats", "aten.log", FAULT_STEP, None),
-    ("loss", "forward", "loss", "aten.log", FAULT_STEP, None),
-    ("backward", "backward", "loss", "aten.div", FAULT_STEP, "SqrtBackward0"),
+@pytest.mark.parametrize("fault, phase, module, op, step, node, where", [
+    ("forward", "forward", "feats", "aten.log", FAULT_STEP, None, "module 'feats' (LogFeatures)"),
+    ("loss", "forward", None, "aten.log", FAULT_STEP, None, OUTSIDE_MODEL),
+    # the forward op whose gradient went non-finite; its primitive (aten.div) is in evidence
+    ("backward", "backward", None, "aten.sqrt", FAULT_STEP, "SqrtBackward0", OUTSIDE_MODEL),
     # RatioSGD divides a zero gradient by its zero norm; seen one step later (NaN loss), named at its step.
-    ("optimizer", "optimizer", "fc1", "aten.div", FAULT_STEP, None),
+    ("optimizer", "optimizer", "fc1", "aten.div", FAULT_STEP, None, "optimizer step (RatioSGD)"),
     # The scheduler sets lr=inf for the next step: recorded (and named) at the step that set it.
-    ("lr", "optimizer", "lr_scheduler", "lr", FAULT_STEP - 1, None),
-    ("data", "data", None, None, FAULT_STEP, None),
+    ("lr", "optimizer", None, "lr", FAULT_STEP - 1, None, "learning-rate scheduler (LambdaLR)"),
+    ("data", "data", None, None, FAULT_STEP, None, "input batch, batch[0]"),
 ])
-def test_loss_fn_run_names_phase_module_op_and_step(tmp_path, fault, phase, module, op, step, node):
+def test_loss_fn_run_names_phase_module_op_and_step(tmp_path, fault, phase, module, op, step, node, where):
     out = train(tmp_path, f"live-{fault}", fault)
     v = _verdict(out["watch"].run_dir)
-    assert (v["phase"], v["module"], v["op"], v["step"]) == (phase, module, op, step), v
+    assert (v["phase"], v["module"], v["op"], v["step"], v["where"]) == (phase, module, op, step, where), v
     assert v["reproduced"] is True and v["max_loss_deviation"] == 0.0
     assert v["autograd_node"] == node
-    assert v["run_id"] == f"live-{fault}" and v["schema_version"] == 1
+    assert v["run_id"] == f"live-{fault}" and v["schema_version"] == REPORT_SCHEMA_VERSION
+    assert v["cause_class"] and report_problems(v) == []
+    if fault == "backward":
+        assert v["evidence"]["primitive"] == "aten.div"
     assert v["evidence"]["in_process"]["mode"] == "thread"
     assert v["evidence"]["torch_flags"]["unisolated_random_ops"] == []
     if fault == "data":

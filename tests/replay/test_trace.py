@@ -71,6 +71,8 @@ def test_backward_birth_is_traced_to_its_module() -> None:
         loss.backward()
     b = tr.births[0]
     assert (b.phase, b.module, b.autograd_node, b.kind) == ("backward", "norm", "SqrtBackward0", "nan")
+    # the forward op that made the node, recorded while the graph was built
+    assert (b.op, b.forward_op, b.custom_function, b.where_branch) == ("aten.div", "aten.sqrt", None, False)
 
 
 def test_tensor_stats() -> None:

@@ -1,5 +1,5 @@
-"""The fault zoo: every planted fault is localized to its phase, module, op and parameters, and
-every healthy run replays to ``none``, bit for bit."""
+"""The fault zoo: every planted fault is localized to its phase, module, op, parameters and cause
+class, and every healthy run replays to ``none``, bit for bit."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from sentineld.contracts.verdict import CAUSE_CLASSES, report_problems
 from sentineld.replay import replay_run, render_text
 from tests.zoo.cases import ZOO, Case
 
@@ -20,6 +21,7 @@ HEALTHY = [c for c in ZOO if c.expect.phase == "none"]
 def test_zoo_size() -> None:
     assert len(FAULTY) >= 15 and len(HEALTHY) >= 5
     assert len({(c.expect.phase, c.expect.module, c.expect.op, c.name) for c in FAULTY}) == len(FAULTY)
+    assert all(c.expect.cause in CAUSE_CLASSES for c in ZOO)
 
 
 @pytest.mark.parametrize("case", FAULTY, ids=lambda c: c.name)
@@ -28,12 +30,18 @@ def test_fault_is_localized(zoo: tuple[Path, dict[str, Any]], case: Case) -> Non
     assert summary[case.name]["captures"], f"{case.name}: the agent wrote no capture"
     r = replay_run(runs / case.name)
     e = case.expect
-    got = (r.phase, r.module, r.op)
-    want = (e.phase, e.module, e.op)
+    got = (r.phase, r.module, r.op, r.cause_class)
+    want = (e.phase, e.module, e.op, e.cause)
     assert got == want, f"{case.name}: {got} != {want}\n{render_text(r)}"
     assert set(e.parameters) <= set(r.parameters), (r.parameters, e.parameters)
     if e.step is not None:
         assert r.step == e.step
+    if e.where is not None:
+        assert r.where == e.where
+    if r.module is not None:  # a qualified name of the model, never a made-up one
+        assert r.module in {n for n, _ in case.factory(**case.recipe_args).model.named_modules()}
+    if r.phase == "backward" and r.autograd_node != "AccumulateGrad":
+        assert r.evidence["primitive"].startswith("aten.") and r.evidence["forward_op"] == r.op
     if e.node is not None:
         assert r.autograd_node == e.node
     if e.field is not None:
@@ -43,14 +51,14 @@ def test_fault_is_localized(zoo: tuple[Path, dict[str, Any]], case: Case) -> Non
     # Rebuild: each re-executed loss equals the recorded one bit for bit.
     assert r.reproduced and r.max_loss_deviation == 0.0, render_text(r)
     assert r.cause and r.fix and r.evidence["nan_table_row"]
-    json.loads(r.to_json())  # strict JSON, NaN included
+    assert report_problems(json.loads(r.to_json())) == []  # strict JSON, NaN included; schema holds
 
 
 @pytest.mark.parametrize("case", HEALTHY, ids=lambda c: c.name)
 def test_healthy_step_replays_to_none_bit_for_bit(zoo: tuple[Path, dict[str, Any]], case: Case) -> None:
     runs, _ = zoo
     r = replay_run(runs / case.name, case.replay_step)
-    assert (r.phase, r.step) == ("none", case.replay_step)
+    assert (r.phase, r.step, r.cause_class) == ("none", case.replay_step, "finite")
     assert r.steps_rebuilt == case.replay_step > 0
     assert r.reproduced and r.max_loss_deviation == 0.0
     assert not r.recorded_nonfinite
@@ -124,3 +132,34 @@ def test_rng_restore_is_what_makes_random_runs_reproduce(zoo: tuple[Path, dict[s
     monkeypatch.setattr(rebuild, "_rng_at_first_forward", lambda model, rng: contextlib.nullcontext())
     r = replay_run(runs / "healthy_dropout_noise", 9)
     assert not r.reproduced and r.max_loss_deviation > 0
+
+
+def test_custom_backward_is_not_called_an_explosion(zoo: tuple[Path, dict[str, Any]]) -> None:
+    # Seen wrong: "gradient explosion, clip gradients" for an overflow inside a hand-written backward.
+    r = replay_run(zoo[0] / "custom_backward")
+    assert (r.evidence["primitive"], r.evidence["custom_function"], r.evidence["kind"]) == \
+        ("aten.exp", "StableSoftplus", "inf")
+    assert "StableSoftplus.backward" in r.fix and "gradcheck" in r.fix and "cannot help" in r.fix
+
+
+def test_pow_at_zero_is_not_told_to_fix_a_log(zoo: tuple[Path, dict[str, Any]]) -> None:
+    # Seen wrong: the first birth was log(0) in pow's exponent gradient, which pow masks itself;
+    # the gradient that went non-finite is p * 0 ** (p - 1).
+    r = replay_run(zoo[0] / "pow_base_zero")
+    assert r.evidence["primitive"] == "aten.pow" and "log" not in r.fix
+    masked = [b for b in r.evidence["births"] if b["masked"]]
+    assert [b["op"] for b in masked][:2] == ["aten.log", "aten.mul"]
+    assert "clamp the base" in r.fix
+
+
+def test_where_branch_says_mask_the_input(zoo: tuple[Path, dict[str, Any]]) -> None:
+    # Seen wrong: a 0/0 in the branch torch.where did not select was blamed on sqrt at 0.
+    r = replay_run(zoo[0] / "where_branch")
+    assert (r.evidence["primitive"], r.evidence["kind"], r.evidence["where_branch"]) == ("aten.div", "nan", True)
+    assert "mask the input before sqrt" in r.fix
+
+
+def test_loss_outside_the_model_has_no_module(zoo: tuple[Path, dict[str, Any]]) -> None:
+    r = replay_run(zoo[0] / "log_zero_loss")
+    assert (r.module, r.module_type, r.where) == (None, None, "loss function, outside the model")
+    assert "in the loss function, outside the model" in render_text(r)

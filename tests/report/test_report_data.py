@@ -122,6 +122,16 @@ def test_report_escapes_text_from_the_run(planted_run: dict, tmp_path: Path) -> 
     assert "<img src=x" not in html and "&lt;img src=x onerror=alert(1)&gt;" in html
 
 
+def test_report_names_where_when_the_module_is_null(planted_run: dict, tmp_path: Path) -> None:
+    # A verdict outside the model has module null (schema 2); the page says where instead.
+    v = tmp_path / "v.json"
+    v.write_text(json.dumps({"phase": "forward", "step": 7, "module": None, "where": "loss function, outside the model",
+                             "op": "aten.log", "cause": "log(0)", "evidence": {}}))
+    html = write_report(planted_run["run_dir"], tmp_path / "r.html", verdict_path=v, activations=False).read_text()
+    assert "step 7: first non-finite value made in forward, loss function, outside the model, op aten.log" in html
+    assert "module None" not in html
+
+
 def test_report_replay_flag_shows_a_fresh_verdict(planted_run: dict, tmp_path: Path) -> None:
     out = write_report(planted_run["run_dir"], tmp_path / "r.html", replay=True, state_dir=tmp_path / "none")
     html = out.read_text()

@@ -6,8 +6,9 @@ deterministic batch source (``batch(step)``; data never draws from the global RN
 in-model noise are the only random draws of a step) and an :class:`Expect`. ``tests/zoo/run.py``
 trains each case with the real agent attached; ``tests/replay/test_zoo.py`` replays them.
 
-Faulty cases name the phase, module, aten op and parameters replay must report; healthy cases are
-replayed at a finite step (``replay_step``) and must answer ``none``, reproduced bit for bit.
+Faulty cases name the phase, module, aten op, parameters and cause class replay must report;
+healthy cases are replayed at a finite step (``replay_step``) and must answer ``none`` (cause class
+``finite``), reproduced bit for bit.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sentineld.contracts.recipe import Recipe
+from sentineld.contracts.verdict import OUTSIDE_MODEL
 
 __all__ = ["Expect", "Case", "CASES", "ZOO", "BENCH_ONLY"]
 
@@ -32,25 +34,31 @@ class Expect:
 
     Attributes:
         phase: ``data`` | ``forward`` | ``backward`` | ``optimizer`` | ``none``.
-        module: qualified module name (``loss`` for a loss computed outside the model,
-            ``lr_scheduler`` for the scheduler); None when not applicable.
-        op: aten op (overload dropped), or ``lr`` for the scheduler; None when not applicable.
+        module: qualified module name from ``named_modules()``; None outside the model (a loss
+            computed in the loss function, the scheduler) or when not applicable.
+        op: aten op (overload dropped; in backward the forward op whose derivative went
+            non-finite, or a custom autograd Function's class name), or ``lr`` for the scheduler;
+            None when not applicable.
+        cause: the cause class (``sentineld.contracts.verdict.CAUSE_CLASSES``).
         parameters: parameter names that must be among the reported ones.
         field: for ``data``, the batch field; samples: the sample indices holding NaN/Inf.
         state_entry: for an optimizer-state fault, the state entry named (e.g. ``exp_avg_sq``).
         node: for ``backward``, the autograd node whose backward made the value.
         step: the offending step, when the case pins it.
+        where: the verdict's ``where``, when the case pins it (outside the model).
     """
 
     phase: str
     module: str | None = None
     op: str | None = None
+    cause: str = "finite"
     parameters: tuple[str, ...] = ()
     field: str | None = None
     samples: tuple[int, ...] = ()
     state_entry: str | None = None
     node: str | None = None
     step: int | None = None
+    where: str | None = None
 
 
 @dataclass(frozen=True)
@@ -653,6 +661,125 @@ def _accum_nan_batch(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return micro
 
 
+# ------------------- 19. a custom autograd Function whose hand-written backward overflows in exp
+class StableSoftplus(torch.autograd.Function):
+    """softplus written stably in forward (``max(x, 0) + log1p(exp(-|x|))``) but with a naive
+    hand-written backward ``exp(x) / (1 + exp(x))``: inf / inf = NaN once x > ~88.7."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.clamp_min(0) + torch.log1p(torch.exp(-x.abs()))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        e = torch.exp(x)
+        return g * e / (1 + e)
+
+
+class Softplus(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return StableSoftplus.apply(x)
+
+
+class SoftplusNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.act = Softplus()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.fc(x)))
+
+
+def make_custom_backward(seed: int = 0) -> Recipe:
+    torch.manual_seed(seed)
+    model = SoftplusNet()
+    return Recipe(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), loss_fn=_ce)
+
+
+def _outlier_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _cls_batch(19, step, d=8, c=3)
+    if step == 6:
+        x[2] *= 400.0  # an unscaled outlier sample: fc's output passes 88.7, exp(x) overflows
+    return x, y
+
+
+# ------------------------ 20. x ** p with a learnable exponent at base exactly 0 (finite forward)
+class PowerCompress(nn.Module):
+    """Signed power-law compression ``sign(h) |h| ** alpha`` with a learnable exponent (0.5 at start)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sign(h) * h.abs() ** self.alpha
+
+
+class CompressNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, 16, bias=False)
+        self.compress = PowerCompress()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.compress(self.embed(x)))
+
+
+def make_pow_base_zero(seed: int = 0) -> Recipe:
+    torch.manual_seed(seed)
+    model = CompressNet()
+    return Recipe(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), loss_fn=_ce)
+
+
+def _blank_row_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _cls_batch(20, step)
+    if step == 6:
+        x[3] = 0.0  # a blank sample: its embedding is exactly 0, |0| ** alpha has an infinite slope
+    return x, y
+
+
+# ------------- 21. sqrt inside torch.where: the branch where() did not select gets 0/0 in backward
+class PathSpeed(nn.Module):
+    """Distance between consecutive frames, ``where(d2 > 0, sqrt(d2), 0)``: (B, T, D) -> (B, T - 1).
+
+    The where() guards the forward only: a repeated frame (d2 = 0) still sends a zero gradient into
+    sqrt's backward, 0 / (2 sqrt(0)) = NaN."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        d2 = ((h[:, 1:] - h[:, :-1]) ** 2).sum(-1)
+        return torch.where(d2 > 0, torch.sqrt(d2), torch.zeros_like(d2))
+
+
+class TrajNet(nn.Module):
+    def __init__(self, frames: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.speed = PathSpeed()
+        self.head = nn.Linear(frames - 1, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.speed(self.embed(x)))
+
+
+def make_where_branch(seed: int = 0) -> Recipe:
+    torch.manual_seed(seed)
+    model = TrajNet()
+    return Recipe(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), loss_fn=_ce)
+
+
+def _trajectory_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = _gen(21, step)
+    x = torch.randn(8, 6, 4, generator=g)
+    if step == 5:
+        x[2, 3] = x[2, 2]  # a paused sensor repeats a frame: zero distance
+    return x, torch.randint(0, 3, (8,), generator=g)
+
+
 # =============================================================================== healthy runs
 def make_healthy_adam(seed: int = 0) -> Recipe:
     torch.manual_seed(seed)
@@ -781,48 +908,63 @@ def _big_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 # =============================================================================== the table
 _P = "parameters"
 ZOO: list[Case] = [
-    Case("lr_too_high", _loud_batch, 30, Expect("forward", "head", "aten.addmm", step=5),
+    Case("lr_too_high", _loud_batch, 30, Expect("forward", "head", "aten.addmm", "lr_too_high", step=5),
          snapshot_every=3, what="SGD lr 50, momentum 0.9"),
-    Case("log_zero_loss", _poisson_batch, 40, Expect("forward", "loss", "aten.log"),
+    Case("log_zero_loss", _poisson_batch, 40, Expect("forward", None, "aten.log", "log_zero", where=OUTSIDE_MODEL),
          what="hand-written Poisson NLL, ReLU rate hits 0"),
-    Case("sigmoid_log", _separable_batch, 30, Expect("forward", "logprob", "aten.log"),
+    Case("sigmoid_log", _separable_batch, 30, Expect("forward", "logprob", "aten.log", "log_zero"),
          what="log(sigmoid(z)) with |z| > 104"),
-    Case("zero_std", _stuck_sensor_batch, 12, Expect("forward", "norm", "aten.div", step=7),
+    Case("zero_std", _stuck_sensor_batch, 12, Expect("forward", "norm", "aten.div", "div_zero", step=7),
          what="per-sample (x - mean) / std, constant row"),
-    Case("var_single", _epoch_tail_batch, 12, Expect("forward", "bn", "aten.var", step=6),
+    Case("var_single", _epoch_tail_batch, 12, Expect("forward", "bn", "aten.var", "var_one_element", step=6),
          what="unbiased var over a batch of one"),
-    Case("masked_softmax", _padded_batch, 12, Expect("forward", "attn", "aten._softmax", step=6),
+    Case("masked_softmax", _padded_batch, 12, Expect("forward", "attn", "aten._softmax", "softmax_all_masked", step=6),
          what="attention over an empty (all-padding) sequence"),
-    Case("fp16_overflow", _raw_batch, 12, Expect("forward", "proj", "aten.addmm", step=8),
+    Case("fp16_overflow", _raw_batch, 12, Expect("forward", "proj", "aten.addmm", "fp16_overflow", step=8),
          what="autocast fp16 Linear > 65504, then LayerNorm"),
-    Case("nan_input", _nan_batch, 12, Expect("data", field="batch[0]", samples=(3, 11), step=6),
+    Case("nan_input", _nan_batch, 12, Expect("data", cause="data_nonfinite", field="batch[0]", samples=(3, 11), step=6),
          what="NaN in two samples of the input"),
     Case("sqrt_zero_grad", _blank_batch, 12,
-         Expect("backward", "normalize", "aten.div", ("embed.weight",), node="SqrtBackward0", step=7),
+         Expect("backward", "normalize", "aten.sqrt", "grad_at_singularity", ("embed.weight",), node="SqrtBackward0",
+                step=7),
          what="x / sqrt(sum x^2) at x = 0: finite forward, NaN grad"),
-    Case("ce_all_ignored", _tag_batch, 12, Expect("forward", "loss", "aten.nll_loss_forward", step=5),
+    Case("ce_all_ignored", _tag_batch, 12, Expect("forward", None, "aten.nll_loss_forward", "mean_empty", step=5,
+                              where=OUTSIDE_MODEL),
          snapshot_every=4,
          what="mean CE with every label == ignore_index"),
     Case("adam_eps_fp16", _bag_batch, 8,
-         Expect("optimizer", "emb", "aten.addcdiv_", ("emb.weight",), state_entry="exp_avg_sq", step=0),
+         Expect("optimizer", "emb", "aten.addcdiv_", "optimizer_eps_lost", ("emb.weight",), state_entry="exp_avg_sq",
+                step=0),
          what="float16 Adam, eps=1e-8 rounds to 0"),
     Case("warmup_zero", lambda s: _cls_batch(12, s), 12,
-         Expect("optimizer", "lr_scheduler", "lr", step=3), what="LambdaLR warmup over 0 steps"),
+         Expect("optimizer", None, "lr", "lr_schedule", step=3, where="learning-rate scheduler (LambdaLR)"), what="LambdaLR warmup over 0 steps"),
     Case("clip_inf_grad", _gain_batch, 40,
-         Expect("optimizer", "scale", "aten._foreach_mul_", ("scale.gain",)), snapshot_every=4,
+         Expect("optimizer", "scale", "aten._foreach_mul_", "clip_of_inf", ("scale.gain",)), snapshot_every=4,
          what="clip_grad_norm_ of an Inf grad (sqrt'(0))"),
     Case("no_zero_grad", _big_regression_batch, 40,
-         Expect("backward", "fc", "aten.add_", ("fc.weight",), node="AccumulateGrad"), snapshot_every=64,
+         Expect("backward", "fc", "aten.add_", "grad_accumulated", ("fc.weight",), node="AccumulateGrad"), snapshot_every=64,
          manual_loop=True,
          what="float16 grads summed over steps, no zero_grad"),
-    Case("rnn_explode", _left_padded_batch, 20, Expect("backward", "rnn", "aten.mm"),
+    Case("rnn_explode", _left_padded_batch, 20, Expect("backward", "rnn", "aten.mm", "grad_explosion"),
          what="tanh RNN, W_hh radius 2, long left padding"),
-    Case("noise_log", _intensity_batch, 60, Expect("forward", "noisylog", "aten.log"),
+    Case("noise_log", _intensity_batch, 60, Expect("forward", "noisylog", "aten.log", "domain_error"),
          what="log(x + noise): the noise sample decides the step"),
-    Case("dropout_pool", _pool_batch, 60, Expect("forward", "pool", "aten.div"),
+    Case("dropout_pool", _pool_batch, 60, Expect("forward", "pool", "aten.div", "div_zero"),
          what="dropout drops a whole row, then mean over kept"),
-    Case("accum_nan", _accum_nan_batch, 12, Expect("data", field="batch[1][0]", samples=(5,), step=6),
+    Case("accum_nan", _accum_nan_batch, 12, Expect("data", cause="data_nonfinite", field="batch[1][0]", samples=(5,), step=6),
          what="Inf in micro-batch 2 of 3 (accumulation)"),
+    Case("custom_backward", _outlier_batch, 12,
+         Expect("backward", "act", "StableSoftplus", "custom_backward", ("fc.weight",),
+                node="StableSoftplusBackward", step=6),
+         what="custom Function, backward exp(x)/(1+exp(x)) overflows"),
+    Case("pow_base_zero", _blank_row_batch, 12,
+         Expect("backward", "compress", "aten.pow", "grad_at_singularity", ("embed.weight",),
+                node="PowBackward1", step=6),
+         what="|h| ** alpha (learnable) at h = 0: finite forward, NaN grad"),
+    Case("where_branch", _trajectory_batch, 12,
+         Expect("backward", "speed", "aten.sqrt", "where_masked_branch", ("embed.weight",),
+                node="SqrtBackward0", step=5),
+         what="where(d2 > 0, sqrt(d2), 0): 0/0 in the unselected branch"),
     # ---- healthy: replayed at a finite step, must answer none and reproduce bit for bit
     Case("healthy_adam", lambda s: _cls_batch(20, s), 12, Expect("none"), replay_step=8, snapshot_every=64,
          what="Adam MLP"),
@@ -840,7 +982,7 @@ ZOO: list[Case] = [
 
 #: Not in the test suite (a ~10M-parameter model): ``bench/replay_time.py`` runs it.
 BENCH_ONLY: list[Case] = [
-    Case("big_zero_std", _big_batch, 12, Expect("forward", "norm", "aten.div", step=8),
+    Case("big_zero_std", _big_batch, 12, Expect("forward", "norm", "aten.div", "div_zero", step=8),
          snapshot_every=5, what="10.0M-param MLP + Adam, constant row"),
 ]
 

@@ -160,13 +160,14 @@ def test_cli_replay_of_a_run_without_recipe_is_forward_only_from_the_capture(tmp
 def test_optimizer_fault_seen_at_a_snapshot_step_is_replayed_from_the_snapshot_before(tmp_path):
     """Regression: the optimizer broke the parameters at step 14, the NaN loss showed at step 15,
     which is also a snapshot step (every 5): the capture took snapshot 15, already corrupt, and
-    the verdict was 'non-finite values were already in the rebuilt state'."""
-    out = train(tmp_path, "snap-late", "optimizer", fault_step=14)
+    the verdict was 'non-finite values were already in the rebuilt state'. Step 49 here: past the
+    densely sampled first steps, so no layer sample of step 49 shows the parameters early."""
+    out = train(tmp_path, "snap-late", "optimizer", fault_step=49, steps=56)
     cap = next(c for c in list_captures(out["watch"].run_dir) if c[2] == "nonfinite")
-    assert cap[1] == 15
+    assert cap[1] == 50
     v = _verdict(out["watch"].run_dir)
-    assert (v["phase"], v["module"], v["op"], v["step"]) == ("optimizer", "fc1", "aten.div", 14), v
-    assert v["evidence"]["snapshot_step"] == 10 and v["reproduced"] is True
+    assert (v["phase"], v["module"], v["op"], v["step"]) == ("optimizer", "fc1", "aten.div", 49), v
+    assert v["evidence"]["snapshot_step"] == 45 and v["reproduced"] is True
 
 
 def test_accumulation_clipping_and_grad_scaler_replay_bitwise(tmp_path):

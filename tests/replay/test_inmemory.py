@@ -32,7 +32,7 @@ def test_copy_keeps_structure_tying_and_user_hooks_but_not_sentineld_hooks(tmp_p
     watch = attach(live, opt, runs_dir=tmp_path, metrics_port=0, loss_fn=lambda m, b: m(b).sum())
     before = {n: p.detach().clone() for n, p in live.named_parameters()}
     live_hooks = dict(live._forward_pre_hooks)
-    assert len(live_hooks) == 2  # the user's and the agent's
+    assert len(live_hooks) == 3  # the user's, the agent's step start, its sampled-step activation probe
 
     cp = copy_module(live)
     assert cp is not live and cp.head.weight is cp.emb.weight and cp.emb.weight is not live.emb.weight

@@ -43,6 +43,7 @@ __all__ = [
     "CaptureStep",
     "EncodedTree",
     "EncodedRng",
+    "EncodedStep",
     "write_capture",
     "Capture",
     "open_capture",
@@ -84,12 +85,20 @@ class EncodedRng:
 
 @dataclass(frozen=True)
 class CaptureStep:
-    """One recorded step: its index, batch (tree of CPU tensors, or an :class:`EncodedTree`) and
-    RNG state (see sentineld.contracts.rng; or an :class:`EncodedRng`)."""
+    """One recorded step: its index, batch (tree of CPU tensors) and RNG state (see sentineld.contracts.rng)."""
 
     step: int
     batch: Any
-    rng: Mapping[str, Any] | EncodedRng | None
+    rng: Mapping[str, Any] | None
+
+
+@dataclass(frozen=True)
+class EncodedStep:
+    """A step to write in stored form (ring recovery): batch and RNG state already encoded."""
+
+    step: int
+    batch: EncodedTree
+    rng: EncodedRng | None
 
 
 def _torch():
@@ -188,7 +197,7 @@ def _write_tree(group: Any, tree: Any) -> None:
         ds.attrs["torch_dtype"] = dtype
 
 
-def write_step(group: Any, st: CaptureStep) -> None:
+def write_step(group: Any, st: CaptureStep | EncodedStep) -> None:
     """Write one step's batch and RNG state into an HDF5 group (layout of ``/steps/<step>``)."""
     _write_tree(group.create_group("batch"), st.batch)
     if st.rng is None:
@@ -234,7 +243,7 @@ def write_capture(
     first_step: int,
     snapshot_step: int,
     snapshot: Mapping[str, Any] | EncodedTree,
-    steps: Iterable[CaptureStep],
+    steps: Iterable[CaptureStep | EncodedStep],
     records: Iterable[Mapping[str, Any]],
     grads: Mapping[str, Any] | None = None,
     message: str = "",
@@ -254,23 +263,25 @@ def write_capture(
             (recorded for runs with neither loss_fn nor recipe; optional). A call holding a value
             with no JSON form is left out, never the capture.
         estimate_bytes: about how many bytes the data takes (for the free-space check); None
-            counts the tensors of ``snapshot`` and ``steps`` (an :class:`EncodedTree` snapshot
-            needs it given: ValueError otherwise). Given, ``steps`` is iterated once,
+            counts the tensors of ``snapshot`` and ``steps`` (encoded data needs it given:
+            ValueError otherwise). Given, ``steps`` is iterated once,
             so it may be a generator that loads each step as it is written (ring recovery).
-        torch_version: recorded in the file; None = the running torch's (the snapshot and steps
-            may then be :class:`EncodedTree`/:class:`EncodedRng`: nothing imports torch).
+        torch_version: recorded in the file; None = the running torch's. With it given, an
+            :class:`EncodedTree` snapshot and :class:`EncodedStep` steps are written without
+            importing torch.
 
     Raises:
         OSError: the file cannot be written (permissions; a full disk gives ``errno.ENOSPC`` and a
             message saying so); the temp file is removed.
         TreeCodecError: a state dict holds an object that has no JSON form.
+        ValueError: encoded data without ``estimate_bytes``.
     """
     path = Path(path)
     records = list(records)
     if estimate_bytes is None:
-        if isinstance(snapshot, EncodedTree):
-            raise ValueError("write_capture: an EncodedTree snapshot needs estimate_bytes")
         steps = list(steps)
+        if isinstance(snapshot, EncodedTree) or any(isinstance(st, EncodedStep) for st in steps):
+            raise ValueError("write_capture: encoded data (EncodedTree, EncodedStep) needs estimate_bytes")
         estimate_bytes = (tree_bytes(dict(snapshot)) + sum(tree_bytes(st.batch) for st in steps)
                           + tree_bytes(grads or {}) + tree_bytes(dict(forward_calls or {})))
 

@@ -17,7 +17,7 @@ import stat
 from pathlib import Path
 from typing import Any, Iterator
 
-from sentineld.contracts.capture import CaptureStep, write_capture
+from sentineld.contracts.capture import EncodedStep, write_capture
 from sentineld.contracts.ringformat import (
     SNAP_FILE,
     STEP_FILE,
@@ -142,12 +142,12 @@ def _assemble(ring_dir: Path, path: Path, meta: dict[str, Any], rank: int, first
         if rec is not None:
             records.append(rec)
 
-    def steps() -> Iterator[CaptureStep]:
+    def steps() -> Iterator[EncodedStep]:
         for n, src in zip(range(first, last + 1), sources[1:]):
             header, body, mm = read_ring_file(src)
             try:
                 rng = header.get("rng")
-                yield CaptureStep(n, ring_tree(header["batch"], body), ring_rng(rng, body) if rng else None)
+                yield EncodedStep(n, ring_tree(header["batch"], body), ring_rng(rng, body) if rng else None)
             finally:
                 del body
                 close_mapping(mm)

@@ -41,6 +41,9 @@ __all__ = [
     "SCHEMA_VERSION",
     "CaptureError",
     "CaptureStep",
+    "EncodedTree",
+    "EncodedRng",
+    "EncodedStep",
     "write_capture",
     "Capture",
     "open_capture",
@@ -59,12 +62,43 @@ class CaptureError(BadInput):
 
 
 @dataclass(frozen=True)
+class EncodedTree:
+    """A tree already in the capture's stored form, written without torch (ring recovery).
+
+    Attributes:
+        tree: its JSON-ready encoding (:func:`sentineld.contracts.treecodec.encode`, tensor i
+            as ``{"t": i}``).
+        tensors: ``(array, torch_dtype)`` for each tensor i, as :func:`tensor_to_numpy` gives.
+    """
+
+    tree: Any
+    tensors: Sequence[tuple[np.ndarray, str]]
+
+
+@dataclass(frozen=True)
+class EncodedRng:
+    """An RNG state in stored form: ``(meta, arrays)`` as :func:`sentineld.contracts.rng.rng_to_json` gives."""
+
+    meta: Mapping[str, Any]
+    arrays: Mapping[str, np.ndarray]
+
+
+@dataclass(frozen=True)
 class CaptureStep:
     """One recorded step: its index, batch (tree of CPU tensors) and RNG state (see sentineld.contracts.rng)."""
 
     step: int
     batch: Any
     rng: Mapping[str, Any] | None
+
+
+@dataclass(frozen=True)
+class EncodedStep:
+    """A step to write in stored form (ring recovery): batch and RNG state already encoded."""
+
+    step: int
+    batch: EncodedTree
+    rng: EncodedRng | None
 
 
 def _torch():
@@ -151,30 +185,38 @@ def read_dataset(ds: Any) -> Any:
 
 
 def _write_tree(group: Any, tree: Any) -> None:
-    tensors: list[Any] = []
-    put_dataset(group, "tree", json.dumps(encode(tree, tensors)))
-    for i, t in enumerate(tensors):
-        arr, dtype = tensor_to_numpy(t)
+    if isinstance(tree, EncodedTree):
+        put_dataset(group, "tree", json.dumps(tree.tree))
+        pairs: Iterable[tuple[np.ndarray, str]] = tree.tensors
+    else:
+        tensors: list[Any] = []
+        put_dataset(group, "tree", json.dumps(encode(tree, tensors)))
+        pairs = (tensor_to_numpy(t) for t in tensors)
+    for i, (arr, dtype) in enumerate(pairs):
         ds = put_dataset(group, str(i), arr)
         ds.attrs["torch_dtype"] = dtype
 
 
-def write_step(group: Any, st: CaptureStep) -> None:
+def write_step(group: Any, st: CaptureStep | EncodedStep) -> None:
     """Write one step's batch and RNG state into an HDF5 group (layout of ``/steps/<step>``)."""
     _write_tree(group.create_group("batch"), st.batch)
-    if st.rng is not None:
+    if st.rng is None:
+        return
+    if isinstance(st.rng, EncodedRng):
+        meta, arrays = st.rng.meta, st.rng.arrays
+    else:
         from sentineld.contracts.rng import rng_to_json  # noqa: PLC0415
 
         meta, arrays = rng_to_json(dict(st.rng))
-        put_dataset(group, "rng_meta", json.dumps(meta))
-        rg = group.create_group("rng")
-        for name, arr in arrays.items():
-            put_dataset(rg, name, arr)
+    put_dataset(group, "rng_meta", json.dumps(meta))
+    rg = group.create_group("rng")
+    for name, arr in arrays.items():
+        put_dataset(rg, name, arr)
 
 
-def write_snapshot(group: Any, snapshot: Mapping[str, Any]) -> None:
+def write_snapshot(group: Any, snapshot: Mapping[str, Any] | EncodedTree) -> None:
     """Write a state snapshot into an HDF5 group (layout of ``/snapshot``)."""
-    _write_tree(group, dict(snapshot))
+    _write_tree(group, snapshot if isinstance(snapshot, EncodedTree) else dict(snapshot))
 
 
 def _read_tree(group: Any) -> Any:
@@ -200,12 +242,14 @@ def write_capture(
     trigger: str,
     first_step: int,
     snapshot_step: int,
-    snapshot: Mapping[str, Any],
-    steps: Sequence[CaptureStep],
+    snapshot: Mapping[str, Any] | EncodedTree,
+    steps: Iterable[CaptureStep | EncodedStep],
     records: Iterable[Mapping[str, Any]],
     grads: Mapping[str, Any] | None = None,
     message: str = "",
     forward_calls: Mapping[int, Any] | None = None,
+    estimate_bytes: int | None = None,
+    torch_version: str | None = None,
 ) -> Path:
     """Write a capture atomically (temp name, fsync, rename) and return its final path.
 
@@ -218,20 +262,34 @@ def write_capture(
         forward_calls: step -> ``{"args": tuple, "kwargs": dict}`` of the model's top-level forward
             (recorded for runs with neither loss_fn nor recipe; optional). A call holding a value
             with no JSON form is left out, never the capture.
+        estimate_bytes: about how many bytes the data takes (for the free-space check); None
+            counts the tensors of ``snapshot`` and ``steps`` (encoded data needs it given:
+            ValueError otherwise). Given, ``steps`` is iterated once,
+            so it may be a generator that loads each step as it is written (ring recovery).
+        torch_version: recorded in the file; None = the running torch's. With it given, an
+            :class:`EncodedTree` snapshot and :class:`EncodedStep` steps are written without
+            importing torch.
 
     Raises:
         OSError: the file cannot be written (permissions; a full disk gives ``errno.ENOSPC`` and a
             message saying so); the temp file is removed.
         TreeCodecError: a state dict holds an object that has no JSON form.
+        ValueError: encoded data without ``estimate_bytes``.
     """
     path = Path(path)
     records = list(records)
+    if estimate_bytes is None:
+        steps = list(steps)
+        if isinstance(snapshot, EncodedTree) or any(isinstance(st, EncodedStep) for st in steps):
+            raise ValueError("write_capture: encoded data (EncodedTree, EncodedStep) needs estimate_bytes")
+        estimate_bytes = (tree_bytes(dict(snapshot)) + sum(tree_bytes(st.batch) for st in steps)
+                          + tree_bytes(grads or {}) + tree_bytes(dict(forward_calls or {})))
 
     def fill(f: Any) -> None:
         f.attrs.update(
             schema_version=SCHEMA_VERSION, run_id=run_id, rank=rank, trigger=trigger,
-            first_step=first_step, snapshot_step=snapshot_step, created_s=time.time(),
-            message=message, torch_version=str(_torch().__version__),
+            first_step=first_step, snapshot_step=snapshot_step, created_s=time.time(), message=message,
+            torch_version=str(_torch().__version__) if torch_version is None else torch_version,
         )
         write_snapshot(f.create_group("snapshot"), snapshot)
         sg = f.create_group("steps")
@@ -249,9 +307,7 @@ def write_capture(
         if forward_calls:
             _write_forward(f.create_group("forward"), forward_calls)
 
-    estimate = (tree_bytes(dict(snapshot)) + sum(tree_bytes(st.batch) for st in steps)
-                + tree_bytes(grads or {}) + tree_bytes(dict(forward_calls or {})))
-    write_h5_atomic(path, fill, estimate, durable=True, what="capture")
+    write_h5_atomic(path, fill, estimate_bytes, durable=True, what="capture")
     return path
 
 

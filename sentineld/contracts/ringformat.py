@@ -40,11 +40,11 @@ from typing import Any
 
 import numpy as np
 
-from sentineld.contracts.capture import put_dataset, tensor_to_numpy
+from sentineld.contracts.capture import EncodedRng, EncodedTree, tensor_to_numpy
 from sentineld.contracts.treecodec import encode
 
 __all__ = ["SNAP_FILE", "STEP_FILE", "MAGIC", "Packer", "write_ring_file",
-           "read_ring_file", "close_mapping", "ring_array", "put_tree", "ring_state", "snap_file",
+           "read_ring_file", "close_mapping", "ring_array", "ring_tree", "ring_rng", "ring_state", "snap_file",
            "step_file"]
 
 SNAP_FILE = re.compile(r"^snap-(\d+)\.ring$")
@@ -70,8 +70,9 @@ class Packer:
         self.size = 0
 
     def add(self, arr: np.ndarray) -> list[Any]:
+        shape = list(np.shape(arr))  # before ascontiguousarray, which makes a 0-d array 1-d
         arr = np.ascontiguousarray(arr)
-        desc = [arr.dtype.str, list(arr.shape), self.size, int(arr.nbytes)]
+        desc = [arr.dtype.str, shape, self.size, int(arr.nbytes)]
         self.arrays.append(arr)
         self.size += int(arr.nbytes)
         return desc
@@ -150,13 +151,20 @@ def ring_array(body: memoryview, desc: list[Any]) -> np.ndarray:
     return np.frombuffer(body[off:off + n], dtype=np.dtype(np_dtype)).reshape(shape)
 
 
-def put_tree(group: Any, packed: dict[str, Any], body: memoryview) -> None:
-    """Write a packed tree into an HDF5 group in the capture layout (``tree`` + datasets)."""
-    put_dataset(group, "tree", json.dumps(packed["tree"]))
-    for i, (torch_dtype, *desc) in enumerate(packed["tensors"]):
-        put_dataset(group, str(i), ring_array(body, desc)).attrs["torch_dtype"] = str(torch_dtype)
+def ring_tree(packed: dict[str, Any], body: memoryview) -> EncodedTree:
+    """A packed tree of a ring file (``Packer.tree``) as the capture writer takes it; its arrays
+    are views of ``body`` (keep the mapping open until the capture is written).
+
+    Raises:
+        ValueError: a tensor's description points outside the body.
+    """
+    return EncodedTree(packed["tree"], [(ring_array(body, desc), str(torch_dtype))
+                                        for torch_dtype, *desc in packed["tensors"]])
 
 
+def ring_rng(packed: dict[str, Any], body: memoryview) -> EncodedRng:
+    """A step file's RNG state (``header["rng"]``) as the capture writer takes it."""
+    return EncodedRng(packed["meta"], {name: ring_array(body, desc) for name, desc in packed["arrays"].items()})
 
 
 def ring_state(ring_dir: Path) -> str:

@@ -1,10 +1,12 @@
 """Forward daemon alerts to Prometheus Alertmanager's v2 API.
 
 Alertmanager identifies an alert by its label set and keeps the last annotations it received
-(prometheus.io/docs/alerting/latest/clients). So the labels here are host-free: ``alertname``,
-``run``, ``severity``, ``signature``; where and when (``host``, ``step``, ``rank``) go into
-annotations. The daemons on all hosts of a multi-node job then post the same alert and
-Alertmanager keeps one, routed by ``group_by: [alertname, run]`` (deploy/alertmanager).
+(prometheus.io/docs/alerting/latest/clients). The labels here are ``alertname``, ``run``,
+``severity``, ``signature`` and the daemon's ``host``; when and which ranks (``step``, ``rank``)
+go into annotations. Each host's daemon sees only its own ranks, so the daemons of a multi-node
+job post one alert per host (with host-free labels the last poster's ranks replaced the
+others', issue 16); ``group_by: [run]`` (deploy/alertmanager) makes them one notification that
+names every host and rank (deploy/alertmanager/templates).
 
 An alert without ``endsAt`` resolves itself ``resolve_timeout`` (default 5 min) after it was last
 received, and the client docs ask for re-sends every 30 s to 3 min. :class:`ActiveAlerts` does what
@@ -20,7 +22,7 @@ Example::
                             step=48112, ranks=[0, 3], host="gpu-node-3",
                             starts_at=time.time()))
     flush(active, "http://127.0.0.1:9093")        # call again every few seconds
-    active.resolve(alert_labels("nonfinite_loss", "r7", "critical"))
+    active.resolve(alert_labels("nonfinite_loss", "r7", "critical", host="gpu-node-3"))
     flush(active, "http://127.0.0.1:9093")
 
 Transport is :func:`post_alerts` (stdlib ``urllib``, no extra dependency); the rest is pure.
@@ -94,17 +96,19 @@ def alertname_for(signature: str) -> str:
     return "Sentineld" + "".join(p[:1].upper() + p[1:] for p in parts)
 
 
-def alert_labels(signature: str, run: str, severity: str, module: str | None = None) -> dict[str, str]:
-    """The identity of a daemon alert in Alertmanager: host-free labels.
+def alert_labels(signature: str, run: str, severity: str, module: str | None = None,
+                 host: str | None = None) -> dict[str, str]:
+    """The identity of a daemon alert in Alertmanager.
 
     Args:
         signature: signature id (``sentineld.signatures.SIGNATURES``).
         run: run id.
         severity: one of :data:`SEVERITIES`.
         module: qualified module name for per-layer signatures (bounded: one per module), or None.
+        host: the posting daemon's host (one alert per host of a multi-node run), or None.
 
     Returns:
-        ``{"alertname", "run", "severity", "signature"[, "module"]}``; pass it to
+        ``{"alertname", "run", "severity", "signature"[, "module"][, "host"]}``; pass it to
         :meth:`ActiveAlerts.resolve`.
 
     Raises:
@@ -122,6 +126,8 @@ def alert_labels(signature: str, run: str, severity: str, module: str | None = N
     }
     if module is not None:
         labels["module"] = _nonempty(module, "module")
+    if host is not None:
+        labels["host"] = _nonempty(host, "host")
     return labels
 
 
@@ -171,7 +177,7 @@ def to_am_alert(
         description: the longer text.
         step: optimizer step the signature fired at, or None (annotation omitted).
         ranks: ranks that saw it (the ``rank`` annotation, ``"0,3"``; omitted when empty).
-        host: host name of the daemon that saw it (annotation, not label: see module doc);
+        host: host name of the daemon that saw it: label and annotation (see the module doc);
             omitted when empty.
         starts_at: when it started, Unix seconds or an aware datetime.
         ends_at: when it ends, same types; None leaves it to Alertmanager (receipt +
@@ -183,7 +189,7 @@ def to_am_alert(
             did not run); empty values are left out.
 
     Returns:
-        ``{"labels": {alertname, run, severity, signature, [module]}, "annotations": {summary,
+        ``{"labels": {alertname, run, severity, signature, [module], [host]}, "annotations": {summary,
         description, [host], [step], [rank]}, "startsAt": ..., ["endsAt": ...],
         ["generatorURL": ...]}`` with RFC 3339 UTC times (millisecond precision).
 
@@ -191,10 +197,10 @@ def to_am_alert(
         ValueError: an empty string field, an unknown severity, a naive datetime or a
             non-finite time; the message names the argument.
     """
-    labels = alert_labels(signature, run, severity, module)
-    _nonempty(summary, "summary")
     if not isinstance(host, str):
         raise ValueError(f"host must be a string, got {host!r}")
+    labels = alert_labels(signature, run, severity, module, host or None)
+    _nonempty(summary, "summary")
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step must be a non-negative int or None, got {step!r}")
     rank_list = sorted({int(r) for r in ranks})
@@ -329,6 +335,11 @@ class ActiveAlerts:
     def firing(self) -> list[Labels]:
         """Label sets of the firing alerts (the daemon resolves a run's verdict/crash alerts by them)."""
         return [dict(e.alert["labels"]) for e in self._firing.values()]
+
+    def firing_alerts(self) -> list[Alert]:
+        """Copies of the firing alerts as last fired (labels, annotations, startsAt; no endsAt):
+        what a restarted daemon fires again (:meth:`fire` keeps their startsAt)."""
+        return [json.loads(json.dumps(e.alert)) for e in self._firing.values()]
 
     def fire(self, alert: Alert) -> None:
         """Start or update a firing alert (same labels = same alert; last annotations win).

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -70,6 +71,8 @@ class DaemonConfig:
             run and signature; 600 = one alert per flapping signature per 10 minutes).
         window: per-rank records kept for signatures.
         signatures: overrides for :class:`sentineld.signatures.SignatureConfig`.
+        host: this host's name in alerts (Alertmanager label ``host``: one alert per host of a
+            multi-node run); default the system's host name, as the agent's metrics use it.
     """
 
     runs_dir: Path = field(default_factory=default_runs_dir)
@@ -88,6 +91,7 @@ class DaemonConfig:
     alert_interval_s: float = 600.0
     window: int = 200
     signatures: Mapping[str, Any] = field(default_factory=dict)
+    host: str = field(default_factory=socket.gethostname)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -104,6 +108,8 @@ class DaemonConfig:
             raise ConfigError(f"window must be >= 10 records, got {self.window}")
         if self.alert_interval_s < 0:
             raise ConfigError(f"alert_interval_s must be >= 0 seconds, got {self.alert_interval_s!r}")
+        if not self.host.strip() or len(self.host) > 255:
+            raise ConfigError(f"host must be a host name (1 to 255 characters), got {self.host!r}")
         if self.replay_memory_bytes < 0:
             raise ConfigError(f"replay_memory_bytes must be >= 0 (0 = no limit), got {self.replay_memory_bytes}")
 

@@ -13,6 +13,7 @@ no-op: once per incident.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from pathlib import Path
@@ -37,6 +38,7 @@ from sentineld.daemon.outbox import Notification, Outbox, notification_id
 from sentineld.daemon.policy import Active
 from sentineld.daemon.replay_runner import ReplayOutcome
 from sentineld.daemon.runwatch import RunWatch
+from sentineld.daemon.statedir import write_json_atomic
 
 __all__ = ["Notifier"]
 
@@ -54,11 +56,18 @@ class Notifier:
             Alertmanager is configured.
         replay_enabled: the daemon replays captures (``replay`` in its config); a run without a
             recipe then says in its alerts that no replay will come.
+        extras_path: where the firing verdict and crash alerts are kept (the state dir's
+            ``am_extras.json``), so that a restarted daemon re-sends them (:meth:`restore_extras`);
+            None keeps them in memory only.
+        host: the name of this daemon's host in its Alertmanager alerts (label and text).
     """
 
     def __init__(self, outbox: Outbox, dests: Sequence[Destination], clock: Callable[[], float],
-                 alertmanager: Any = None, *, replay_enabled: bool = True) -> None:
+                 alertmanager: Any = None, *, replay_enabled: bool = True, extras_path: Path | None = None,
+                 host: str = "") -> None:
         self.replay_enabled = replay_enabled
+        self.extras_path = extras_path
+        self.host = host
         self.outbox = outbox
         self.dests = list(dests)
         self.clock = clock
@@ -67,6 +76,11 @@ class Notifier:
         self.delivery_wake = threading.Event()
         self.unwritten: list[Notification] = []  # could not be written to the outbox yet
         self.write_error: str | None = None
+
+    def host_of(self, rw: RunWatch) -> str:
+        """The host named in ``rw``'s alerts: this daemon's (config ``host``), which watches the
+        ranks of its host; else the one in the run's ``run.json``."""
+        return self.host or (rw.meta.host if rw.meta else "")
 
     def enqueue(self, note: Notification) -> None:
         """Put ``note`` in the outbox for every destination and wake the delivery thread.
@@ -117,7 +131,7 @@ class Notifier:
 
     def alert(self, rw: RunWatch, a: Active) -> None:
         """Notify that ``a`` fires in ``rw`` (outbox and Alertmanager)."""
-        host = rw.meta.host if rw.meta else ""
+        host = self.host_of(rw)
         title, body = alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step, a.message,
                                  a.numbers, a.fix, a.module, host, run_dir=str(rw.run_dir),
                                  replay_note=self.replay_note(rw))
@@ -142,7 +156,8 @@ class Notifier:
     def am_fire_quietly(self, rw: RunWatch, a: Active) -> None:
         """Track ``a`` in Alertmanager only (a rate-limited alert, or one restored at start)."""
         self.am_fire(rw, a, *alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step,
-                                        a.message, a.numbers, a.fix, a.module, run_dir=str(rw.run_dir)))
+                                        a.message, a.numbers, a.fix, a.module, self.host_of(rw),
+                                        run_dir=str(rw.run_dir)))
 
     def crash_alert(self, rw: RunWatch, cap: Path, rank: int, step: int) -> None:
         """A training process died (exception, SIGTERM, SIGKILL with the disk ring): say so, with
@@ -197,7 +212,8 @@ class Notifier:
             from sentineld.daemon.alertmanager import alert_labels  # noqa: PLC0415
 
             with self.am_lock:
-                self.am.resolve(alert_labels(a.signature, rw.run_id, a.severity, a.module))
+                self.am.resolve(alert_labels(a.signature, rw.run_id, a.severity, a.module,
+                                             self.host_of(rw) or None))
 
     def am_fire(self, rw: RunWatch, a: Active, title: str, body: str) -> None:
         """Fire ``a`` in Alertmanager (no-op without one)."""
@@ -208,7 +224,7 @@ class Notifier:
         with self.am_lock:
             self.am.fire(to_am_alert(signature=a.signature, run=rw.run_id, severity=a.severity,
                                      summary=title, description=body, step=a.step, ranks=a.ranks,
-                                     host=rw.meta.host if rw.meta else "", starts_at=self.clock(),
+                                     host=self.host_of(rw), starts_at=self.clock(),
                                      module=a.module, extra_annotations=self.am_annotations(rw)))
 
     def am_annotations(self, rw: RunWatch) -> dict[str, str]:
@@ -220,7 +236,7 @@ class Notifier:
 
     def am_refresh(self, rw: RunWatch, a: Active) -> None:
         """Re-post a firing alert whose ranks grew, so the page lists every rank."""
-        host = rw.meta.host if rw.meta else ""
+        host = self.host_of(rw)
         self.am_fire(rw, a, *alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step, a.message,
                                         a.numbers, a.fix, a.module, host, run_dir=str(rw.run_dir)))
 
@@ -233,13 +249,14 @@ class Notifier:
             return
         make = verdict_alert if kind == "replay" else crash_alert
         alert = make(run=rw.run_id, severity=incident_severity(rw.active.values()), title=title,
-                     body=body, step=step, rank=rank, host=rw.meta.host if rw.meta else "",
+                     body=body, step=step, rank=rank, host=self.host_of(rw),
                      starts_at=self.clock())
         with self.am_lock:
             for labels in self.am.firing():
                 if labels.get("run") == rw.run_id and labels.get("signature") == kind:
                     self.am.resolve(labels)
             self.am.fire(alert)
+            self._save_extras()
         self.delivery_wake.set()
 
     def am_resolve_extras(self, rw: RunWatch) -> None:
@@ -250,6 +267,45 @@ class Notifier:
             for labels in self.am.firing():
                 if labels.get("run") == rw.run_id and labels.get("signature") in EXTRA_SIGNATURES:
                     self.am.resolve(labels)
+            self._save_extras()
+
+    def _save_extras(self) -> None:
+        """Keep the firing verdict and crash alerts in the state dir (call with ``am_lock`` held).
+        The signature alerts need no file: the runs' saved progress restores them."""
+        if self.extras_path is None or self.am is None:
+            return
+        extras = [a for a in self.am.firing_alerts() if a["labels"].get("signature") in EXTRA_SIGNATURES]
+        try:
+            write_json_atomic(self.extras_path, extras)
+        except OSError as exc:  # a full disk: they are still sent; only a restart would lose them
+            log.warning("cannot save the active verdict/crash alerts to %s: %s", self.extras_path, exc)
+
+    def restore_extras(self) -> int:
+        """Fire again the verdict and crash alerts the last daemon left firing, as they were
+        (same labels, annotations and startsAt): Alertmanager keeps an alert only while it is
+        re-sent, and their incident is not over because the daemon restarted. They resolve with
+        their run's incident as before. Returns how many; an unreadable file restores none."""
+        if self.extras_path is None or self.am is None:
+            return 0
+        try:
+            saved = json.loads(self.extras_path.read_text())
+        except FileNotFoundError:
+            return 0
+        except (OSError, ValueError) as exc:
+            log.warning("cannot read the saved verdict/crash alerts %s (%s); not restored", self.extras_path, exc)
+            return 0
+        n = 0
+        with self.am_lock:
+            for alert in saved if isinstance(saved, list) else []:
+                labels = alert.get("labels") if isinstance(alert, dict) else None
+                if (isinstance(labels, dict) and labels.get("alertname")
+                        and labels.get("signature") in EXTRA_SIGNATURES):
+                    self.am.fire(alert)
+                    n += 1
+        if n:
+            log.info("re-sending %d verdict/crash alert(s) the last daemon left active", n)
+        self.delivery_wake.set()
+        return n
 
     def am_flush(self, url: str) -> None:
         """Send what Alertmanager should hear now (retried on the next call when it fails)."""

@@ -1,8 +1,8 @@
 """Ring recovery (the daemon's side of the on-disk ring): a ring directory whose ``lock`` is free
 belongs to a dead process; :func:`recover_ring` (run by the daemon on the training host, or
 ``sentineld recover``) turns it into ``capture-rank<R>-step<N>-crash.h5`` (snapshot S, steps S..N,
-records from the step files and the stream; the capture layout of
-:mod:`sentineld.contracts.capture`) and deletes it. Recovery needs h5py and numpy, not torch.
+records from the step files and the stream), written by the capture writer of
+:mod:`sentineld.contracts.capture`, and deletes it. Recovery needs h5py and numpy, not torch.
 Format: :mod:`sentineld.contracts.ringformat`.
 """
 
@@ -14,20 +14,18 @@ import logging
 import os
 import shutil
 import stat
-import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from sentineld.contracts.capture import SCHEMA_VERSION, put_dataset
-from sentineld.contracts.h5write import write_h5_atomic
+from sentineld.contracts.capture import EncodedStep, write_capture
 from sentineld.contracts.ringformat import (
     SNAP_FILE,
     STEP_FILE,
     close_mapping,
-    put_tree,
     read_ring_file,
-    ring_array,
+    ring_rng,
     ring_state,
+    ring_tree,
     snap_file,
     step_file,
 )
@@ -68,8 +66,6 @@ def recover_ring(ring_dir: Path, who: str = "sentineld") -> Path | None:
     Raises:
         OSError: the capture cannot be written (the ring is kept for another try).
     """
-    import h5py  # noqa: PLC0415
-
     ring_dir = Path(ring_dir)
     m = RunDir.RING.match(ring_dir.name)
     run_dir = ring_dir.parent
@@ -121,55 +117,53 @@ def recover_ring(ring_dir: Path, who: str = "sentineld") -> Path | None:
         first, last = chosen
         path = RunDir(run_dir).capture(rank, last, CRASH)
         if not path.exists():
-            _assemble(h5py, ring_dir, path, meta, rank, first, last, who)
+            _assemble(ring_dir, path, meta, rank, first, last, who)
         shutil.rmtree(ring_dir, ignore_errors=True)
         return path
     finally:
         os.close(fd)
 
 
-def _assemble(h5py: Any, ring_dir: Path, path: Path, meta: dict[str, Any], rank: int, first: int,
-              last: int, who: str) -> None:
+def _assemble(ring_dir: Path, path: Path, meta: dict[str, Any], rank: int, first: int, last: int,
+              who: str) -> None:
+    """Write snapshot ``first`` and steps ``first..last`` of the ring as a capture, through the one
+    capture writer (:func:`sentineld.contracts.capture.write_capture`); one step file is mapped
+    at a time."""
     stream_recs = _records_from_stream(path.parent, rank, first, last)
     sources = [ring_dir / snap_file(first)] + [ring_dir / step_file(n) for n in range(first, last + 1)]
     estimate = sum(p.stat().st_size for p in sources)
+    records = []
+    for n, src in zip(range(first, last + 1), sources[1:]):
+        header, body, mm = read_ring_file(src)
+        del body
+        close_mapping(mm)
+        rec = header.get("record")
+        rec = rec if isinstance(rec, dict) else stream_recs.get(n)
+        if rec is not None:
+            records.append(rec)
 
-    def fill(f: Any) -> None:
-        f.attrs.update(
-            schema_version=SCHEMA_VERSION, run_id=str(meta.get("run_id", path.parent.name)),
-            rank=rank, trigger=CRASH, first_step=last, snapshot_step=first, created_s=time.time(),
-            message=(f"process {meta.get('pid', '?')} died without closing the agent (SIGKILL, "
-                     f"the OOM killer?); assembled from its on-disk ring by {who}"),
-            torch_version=str(meta.get("torch_version", "")))
-        header, body, mm = read_ring_file(sources[0])
-        try:
-            put_tree(f.create_group("snapshot"), header["snapshot"], body)
-        finally:
-            del body
-            close_mapping(mm)
-        sg = f.create_group("steps")
-        records = []
+    def steps() -> Iterator[EncodedStep]:
         for n, src in zip(range(first, last + 1), sources[1:]):
             header, body, mm = read_ring_file(src)
             try:
-                g = sg.create_group(str(n))
-                put_tree(g.create_group("batch"), header["batch"], body)
                 rng = header.get("rng")
-                if rng:
-                    put_dataset(g, "rng_meta", json.dumps(rng["meta"]))
-                    rg = g.create_group("rng")
-                    for name, desc in rng["arrays"].items():
-                        put_dataset(rg, name, ring_array(body, desc))
+                yield EncodedStep(n, ring_tree(header["batch"], body), ring_rng(rng, body) if rng else None)
             finally:
                 del body
                 close_mapping(mm)
-            rec = header.get("record")
-            rec = rec if isinstance(rec, dict) else stream_recs.get(n)
-            if rec is not None:
-                records.append(rec)
-        put_dataset(f, "records", json.dumps(records))
 
-    write_h5_atomic(path, fill, estimate, durable=True, what="crash capture")
+    header, body, mm = read_ring_file(sources[0])
+    try:
+        write_capture(
+            path, run_id=str(meta.get("run_id", path.parent.name)), rank=rank, trigger=CRASH,
+            first_step=last, snapshot_step=first, snapshot=ring_tree(header["snapshot"], body),
+            steps=steps(), records=records, estimate_bytes=estimate,
+            torch_version=str(meta.get("torch_version", "")),
+            message=(f"process {meta.get('pid', '?')} died without closing the agent (SIGKILL, "
+                     f"the OOM killer?); assembled from its on-disk ring by {who}"))
+    finally:
+        del body
+        close_mapping(mm)
 
 
 def recover_run(run_dir: Path, who: str = "sentineld") -> list[Path]:

@@ -49,6 +49,7 @@ from sentineld.daemon.policy import Active, Decision, active_from_dict, decide, 
 from sentineld.daemon.replay_runner import ReplayOutcome
 from sentineld.daemon.runwatch import RunWatch, load_progress, remove_stale_temps, same_run, save_progress
 from sentineld.daemon.statedir import (
+    AM_EXTRAS,
     destination_secret,
     take_lock,
     write_json_atomic,
@@ -106,7 +107,8 @@ class Daemon:
             h.addFilter(self.secrets)
         self.notifier = Notifier(Outbox(self.state_dir / "outbox"),
                                  destinations(config.notify, destination_secret(self.state_dir)), clock,
-                                 replay_enabled=config.replay)
+                                 replay_enabled=config.replay, extras_path=self.state_dir / AM_EXTRAS,
+                                 host=config.host)
         self.metrics_port: int | None = None
         self._metrics: dict[str, Any] = {}
         self._rings_checked: dict[str, float] = {}
@@ -176,6 +178,7 @@ class Daemon:
 
             # Held 24 h past each re-send: a stopped daemon does not resolve an incident (issue 16).
             self.notifier.am = ActiveAlerts(resend_s=60.0, hold_s=DAEMON_HOLD_S)
+            self.notifier.restore_extras()  # verdicts, crashes; progress restores the rest
         urls = ", ".join(d.shown for d in self.notifier.dests) or "none (notifications log only)"
         log.info("sentineld daemon %d watching %s; state %s; notify: %s", os.getpid(),
                  self.cfg.runs_dir, self.state_dir, urls)

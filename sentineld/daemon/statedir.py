@@ -1,5 +1,6 @@
 """The daemon's state directory files that other processes read: the lock (one daemon per state
-dir), the pidfile, ``status.json`` and the key that names notification destinations.
+dir), the pidfile, ``status.json`` and the key that names notification destinations; and the
+name of the file that keeps the active verdict and crash alerts across restarts.
 
 Everything here is written 0600 (the daemon also runs under umask 077).
 """
@@ -14,9 +15,14 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 __all__ = ["AlreadyRunning", "daemon_pid", "read_status", "write_status", "take_lock",
-           "write_pidfile", "write_json_atomic", "destination_secret", "LOCK_NAME", "PID_NAME", "STATUS_NAME"]
+           "write_pidfile", "write_json_atomic", "destination_secret", "LOCK_NAME", "PID_NAME", "STATUS_NAME",
+           "AM_EXTRAS"]
 
 LOCK_NAME, PID_NAME, STATUS_NAME = "daemon.lock", "daemon.pid", "status.json"
+
+#: The firing verdict and crash alerts, re-sent by a restarted daemon
+#: (:meth:`sentineld.daemon.notifier.Notifier.restore_extras`).
+AM_EXTRAS = "am_extras.json"
 
 
 class AlreadyRunning(Exception):

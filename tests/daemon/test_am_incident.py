@@ -4,16 +4,19 @@ recipe that d9bb298 paged a second time as ``SentineldReplayFailed``."""
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 from sentineld.daemon.am_incident import (
     NO_RECIPE,
     crash_alert,
     incident_annotations,
     incident_severity,
     localizes_in_process,
-    replayable_without_recipe,
-    verdict_may_come,
     no_recipe_outcome,
+    replayable_without_recipe,
     verdict_alert,
+    verdict_may_come,
 )
 from sentineld.daemon.replay_runner import ReplayOutcome
 
@@ -78,3 +81,50 @@ def test_a_run_whose_model_class_imports_gets_a_forward_only_verdict_not_no_reci
     assert verdict_may_come({"model_class": "pkg.models:Net", "localize": "off"})
     assert not verdict_may_come({"model_class": "__main__:Net", "localize": "off"})
     assert incident_annotations(None, True, "r1", in_process=verdict_may_come({"model_class": "m:N"})) == {}
+
+
+def _notifier(tmp_path, clock):
+    from sentineld.daemon.alertmanager import DAEMON_HOLD_S, ActiveAlerts
+    from sentineld.daemon.notifier import Notifier
+    from sentineld.daemon.outbox import Outbox
+
+    return Notifier(Outbox(tmp_path / "outbox"), [], clock, ActiveAlerts(resend_s=60.0, hold_s=DAEMON_HOLD_S,
+                                                                       clock=clock),
+                    extras_path=tmp_path / "am_extras.json", host="node-a")
+
+
+def test_verdict_and_crash_alerts_survive_a_restart_through_the_state_dir(tmp_path):
+    """What a restarted daemon re-sends: the last one's firing verdict/crash alerts, exactly
+    (labels, annotations, startsAt); not its signature alerts (run progress restores those)."""
+    now = [1_790_000_000.0]
+    first = _notifier(tmp_path, lambda: now[0])
+    rw = SimpleNamespace(run_id="r1", active={}, meta=None)
+    first.am_extra(rw, "replay", "[sentineld] replay of run r1 step 7: non-finite input data", "phase: data\n", 7, 1)
+    first.am_extra(rw, "crashed", "[sentineld] CRITICAL run r1 crashed", "boom\n", 9, 0)
+    kept = json.loads((tmp_path / "am_extras.json").read_text())
+    assert sorted(a["labels"]["alertname"] for a in kept) == ["SentineldCrashed", "SentineldReplay"]
+    assert all(a["labels"]["host"] == "node-a" for a in kept)
+
+    now[0] += 3600
+    second = _notifier(tmp_path, lambda: now[0])
+    assert second.restore_extras() == 2
+    due = {a["labels"]["alertname"]: a for a in second.am.due()}
+    assert {k: (a["labels"], a["annotations"], a["startsAt"]) for k, a in due.items()} == {
+        a["labels"]["alertname"]: (a["labels"], a["annotations"], a["startsAt"]) for a in kept}
+    # They resolve with their incident, as if the daemon had never restarted.
+    second.am_resolve_extras(rw)
+    assert {a["labels"]["alertname"]: a["endsAt"] for a in second.am.due()} == {
+        "SentineldCrashed": "2026-09-21T15:13:20.000Z", "SentineldReplay": "2026-09-21T15:13:20.000Z"}
+    assert json.loads((tmp_path / "am_extras.json").read_text()) == []
+
+
+def test_a_damaged_extras_file_restores_nothing_and_the_daemon_goes_on(tmp_path, caplog):
+    n = _notifier(tmp_path, lambda: 1_790_000_000.0)
+    assert n.restore_extras() == 0  # no file yet: a first start
+    (tmp_path / "am_extras.json").write_text("{not json")
+    assert n.restore_extras() == 0 and "not restored" in caplog.text
+    (tmp_path / "am_extras.json").write_text(json.dumps([
+        {"labels": {"alertname": "SentineldNonfinite", "signature": "nonfinite", "run": "r1"}},  # progress's
+        {"labels": {"signature": "replay"}}, "junk", {"labels": "x"}]))
+    assert n.restore_extras() == 0 and len(n.am) == 0
+

@@ -2,16 +2,21 @@
 known metrics port. Healthy until NAN_AT_S seconds after start, then a NaN batch; ``persist``
 lets the NaN reach the weights (every later step is NaN, as on a real divergence), ``recover``
 skips the optimizer step of the NaN_STEPS poisoned batches (the loop guards against NaN) and
-trains on. Exits DURATION_S seconds after start.
+trains on; ``heal`` poisons every batch (skipping its optimizer step) until the file
+``RUNS_DIR/heal-RUN_ID`` exists, so a test decides when the run recovers; ``raise`` raises at
+NAN_AT_S instead (a crash: the agent writes a crash capture). With ``$ONCALL_POISON_FILE`` set,
+the fault starts once that file exists instead of at NAN_AT_S (ranks of two fake hosts then go
+non-finite at the same step). Exits DURATION_S seconds after start.
 
 Usage: python oncall_train.py RUNS_DIR RUN_ID RANK WORLD PORT NAN_AT_S DURATION_S MODE RECIPE SLEEP_S
-(MODE persist|recover, RECIPE yes|no, SLEEP_S between steps).
+(MODE persist|recover|heal|raise, RECIPE yes|no, SLEEP_S between steps).
 """
 
 import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -44,11 +49,16 @@ def main() -> None:
     g = torch.Generator().manual_seed(10 + rank)
     t0 = time.time()
     poisoned = 0
+    heal = Path(runs_dir) / f"heal-{run_id}"
+    poison_file = Path(os.environ["ONCALL_POISON_FILE"]) if os.environ.get("ONCALL_POISON_FILE") else None
     while time.time() - t0 < duration_s:
         idx = torch.randint(0, len(xtr), (32,), generator=g)
         x, y = xtr[idx].clone(), ytr[idx]
-        poison = time.time() - t0 >= nan_at_s and (mode == "persist" and poisoned == 0
-                                                    or mode == "recover" and poisoned < 3)
+        late = poison_file.exists() if poison_file else time.time() - t0 >= nan_at_s
+        if late and mode == "raise":
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (a shape bug in the loop)")
+        poison = late and (mode == "persist" and poisoned == 0 or mode == "recover" and poisoned < 3
+                           or mode == "heal" and not heal.exists())
         if poison:
             x[0, 0] = float("nan")
             poisoned += 1

@@ -12,7 +12,6 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from .helpers import HttpSink, Server, free_port, http_json, wait_for
 from sentineld.daemon.alertmanager import (
     ActiveAlerts,
     AlertmanagerError,
@@ -22,6 +21,8 @@ from sentineld.daemon.alertmanager import (
     post_alerts,
     to_am_alert,
 )
+
+from .helpers import HttpSink, Server, free_port, http_json, wait_for
 
 T0 = 1_790_000_000.0  # 2026-09-21T...Z, a fixed Unix time for the pure tests
 
@@ -52,6 +53,7 @@ def test_to_am_alert_shape() -> None:
         "run": "r7",
         "severity": "critical",
         "signature": "nonfinite_loss",
+        "host": "gpu-node-3",
     }
     assert a["annotations"] == {
         "summary": "run r7: loss is nan at step 48112",
@@ -65,10 +67,16 @@ def test_to_am_alert_shape() -> None:
     json.dumps(a)  # JSON-ready
 
 
-def test_labels_are_host_free() -> None:
-    """Two hosts' daemons build the same identity for the same run and signature."""
-    assert alert(host="a", step=10)["labels"] == alert(host="b", step=11)["labels"]
-    assert alert()["labels"] == alert_labels("nonfinite_loss", "r7", "critical")
+def test_each_host_is_its_own_alert() -> None:
+    """Two hosts' daemons of one run post two alerts (each names its own ranks; with one
+    identity Alertmanager kept the last poster's ranks only, issue 16); one host's later
+    steps update its own alert."""
+    assert alert(host="a", step=10)["labels"] != alert(host="b", step=10)["labels"]
+    assert alert(host="a", step=10)["labels"] == alert(host="a", step=11, ranks=[1])["labels"]
+    assert alert()["labels"] == alert_labels("nonfinite_loss", "r7", "critical", host="gpu-node-3")
+    assert "host" not in alert(host="")["labels"]
+    with pytest.raises(ValueError, match="host"):
+        alert_labels("nonfinite_loss", "r7", "critical", host="")
 
 
 def test_module_is_part_of_the_identity() -> None:
@@ -239,32 +247,32 @@ def test_post_fire_and_resolve_through_real_alertmanager(alertmanager: Server, h
     active = ActiveAlerts(resend_s=60.0)
     a = alert(run="r7", starts_at=time.time())
     active.fire(a)
-    # The daemon of a second host of the same job saw it too: same labels, one alert.
-    active.fire(alert(run="r7", host="gpu-node-4", starts_at=time.time()))
-    assert flush(active, alertmanager.url) == 1
+    # The daemon of a second host of the same job saw it on its own ranks: its own alert.
+    b = alert(run="r7", host="gpu-node-4", ranks=[5], starts_at=time.time())
+    active.fire(b)
+    assert flush(active, alertmanager.url) == 2
     active.fire(alert(run="r8", starts_at=time.time(), severity="warning"))
     assert flush(active, alertmanager.url) == 1  # only the new one is due
 
-    (got,) = wait_for(lambda: am_alerts(alertmanager, run="r7"), 10, "r7 in /api/v2/alerts")
-    assert got["labels"] == a["labels"]
-    assert got["annotations"]["host"] == "gpu-node-4"  # last write wins
-    assert got["status"]["state"] == "active"
+    got = wait_for(lambda: len(am_alerts(alertmanager, run="r7")) == 2 and am_alerts(alertmanager, run="r7"),
+                   10, "r7's two alerts in /api/v2/alerts")
+    assert {(x["labels"]["host"], x["annotations"]["rank"]) for x in got} == {("gpu-node-3", "0,3"),
+                                                                              ("gpu-node-4", "5")}
+    assert all(x["status"]["state"] == "active" for x in got)
 
     hook = http_sink.wait(
         lambda b: b["json"]["status"] == "firing" and b["json"]["groupLabels"].get("run") == "r7", 15
     )
     assert hook["path"] == "/hook"
-    (firing,) = hook["json"]["alerts"]
-    assert firing["labels"]["signature"] == "nonfinite_loss"
-    assert firing["annotations"]["rank"] == "0,3"
+    assert sorted(f["annotations"]["rank"] for f in hook["json"]["alerts"]) == ["0,3", "5"]
 
-    assert active.resolve(a["labels"])
-    assert flush(active, alertmanager.url) == 1
+    assert active.resolve(a["labels"]) and active.resolve(b["labels"])
+    assert flush(active, alertmanager.url) == 2
     resolved = http_sink.wait(
         lambda b: b["json"]["status"] == "resolved" and b["json"]["groupLabels"].get("run") == "r7", 15
     )
-    (gone,) = resolved["json"]["alerts"]
-    assert gone["status"] == "resolved" and gone["endsAt"] != "0001-01-01T00:00:00Z"
+    gone = resolved["json"]["alerts"]
+    assert len(gone) == 2 and all(g["status"] == "resolved" and g["endsAt"] != "0001-01-01T00:00:00Z" for g in gone)
     # Resolved alerts leave the active list; r8 is still there.
     wait_for(lambda: am_alerts(alertmanager, run="r7") == [], 10, "r7 to leave /api/v2/alerts")
     assert [x["labels"]["run"] for x in am_alerts(alertmanager, alertname="SentineldNonfiniteLoss")] == ["r8"]

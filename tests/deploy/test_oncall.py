@@ -125,10 +125,13 @@ def _prom_config(tmp: Path, am_url: str, agent_ports: list[int], daemon_port: in
 
 
 def _train(runs: Path, run: str, rank: int, world: int, port: int, nan_at: float, mode: str,
-           recipe: str, log: Path, duration_s: float = DURATION_S, sleep_s: float = 0.02) -> subprocess.Popen[bytes]:
+           recipe: str, log: Path, duration_s: float = DURATION_S, sleep_s: float = 0.02,
+           env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """One rank of oncall_train.py (arguments as its usage says; ``env`` added to ours)."""
     return subprocess.Popen([sys.executable, str(TRAIN), str(runs), run, str(rank), str(world), str(port),
                              str(nan_at), str(duration_s), mode, recipe, str(sleep_s)],
-                            cwd=REPO, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+                            cwd=REPO, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -337,9 +340,9 @@ def _fill(expr: str, builtins: dict[str, str], **values: str) -> str:
 
 
 def test_module_variable_offers_every_module_kind(scenario: Scenario) -> None:
-    from .helpers import template_variables
-
     import re
+
+    from .helpers import template_variables
 
     definition = template_variables()["module"]["definition"]
     selector = re.fullmatch(r"label_values\((.+),\s*module\)", definition).group(1)
@@ -354,6 +357,27 @@ def test_module_variable_offers_every_module_kind(scenario: Scenario) -> None:
     # Picking a module that only the dead-ReLU panel shows still shows it.
     relu = sorted(by_metric["sentineld_layer_dead_ratio"] - by_metric["sentineld_layer_grad_norm"])
     assert relu, by_metric
+    builtins = {"__interval": "15s", "__rate_interval": "1m"}
+    for module in relu:
+        expr = _fill(_panel_expr("Dead-ReLU shares"), builtins, module=_grafana_regex_escape(module))
+        got = {x["metric"]["module"] for x in scenario.query(expr, at)}
+        assert got == {module}, (module, expr, got)
+        # ...and the Linear-only panels show nothing for it (they are per-module as well).
+        expr = _fill(_panel_expr("Per-layer gradient norms"), builtins, module=_grafana_regex_escape(module))
+        assert scenario.query(expr, at) == [], (module, expr)
+    linear = sorted(by_metric["sentineld_layer_grad_norm"])[0]
+    expr = _fill(_panel_expr("Per-layer gradient norms"), builtins, module=_grafana_regex_escape(linear))
+    assert {x["metric"]["module"] for x in scenario.query(expr, at)} == {linear}
+
+
+def _grafana_regex_escape(value: str) -> str:
+    """What Grafana's Prometheus data source puts for one picked value of a multi-value
+    variable used in ``=~``: regex metacharacters escaped with a backslash, doubled inside the
+    PromQL string (grafana public/app/plugins/datasource/prometheus: prometheusSpecialRegexEscape)."""
+    import re
+
+    value = value.replace("\\", "\\\\\\\\")
+    return re.sub(r"[$^*{}\[\]'+?.()|]", lambda m: "\\\\" + m.group(0), value)
 
 
 @pytest.mark.parametrize("step_s", [2, 5, 15, 60])

@@ -74,6 +74,25 @@ def test_every_rule_has_severity_annotations_and_runbook() -> None:
         assert re.search(r"\$labels\.(run|host|instance)", ann["summary"]), rule["alert"]
 
 
+#: Rules that page what a daemon signature pages (the fallback for runs no daemon watches, or the
+#: same condition seen from the metrics): they must route alike, so the severity must agree.
+RULE_SIGNATURE = {
+    "SentineldLossNonFinite": "nonfinite", "SentineldGradNormNonFinite": "nonfinite",
+    "SentineldNonFiniteSteps": "nonfinite", "SentineldLossScaleCollapsed": "loss_scale_collapse",
+    "SentineldDeadReLU": "dead_relu", "SentineldTrainingStalled": "stalled",
+}
+
+
+def test_rule_and_daemon_agree_on_severity() -> None:
+    """Issue 16: loss_scale_collapse was critical in the daemon and warning in the rule (one
+    went to the pager, the other to chat)."""
+    from sentineld.signatures.base import SIGNATURES
+
+    rules = {r["alert"]: r["labels"]["severity"] for r in alert_rules()}
+    assert set(RULE_SIGNATURE) <= set(rules)
+    assert {a: rules[a] for a in RULE_SIGNATURE} == {a: SIGNATURES[s] for a, s in RULE_SIGNATURE.items()}
+
+
 def test_every_rule_has_unit_tests() -> None:
     tested = {t["alertname"] for g in yaml.safe_load(RULE_TESTS.read_text())["tests"]
               for t in g.get("alert_rule_test", [])}

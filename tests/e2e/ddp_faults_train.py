@@ -1,0 +1,51 @@
+"""DDP training (gloo, CPU) started by torchrun, the agent attached on every rank, one fault
+planted per segment. Each segment trains a fresh model under its own run id
+``<job>-<fault>`` for ``steps`` steps; the fault sits in ``fault_rank``'s batch at ``fault_step``.
+
+Usage: torchrun --nproc-per-node W ddp_faults_train.py RUNS_DIR JOB FAULT_RANK FAULT_STEP STEPS FAULT...
+(FAULT: one of ``tests.e2e.ddp_model.FAULTS``, or ``lossonly``: a NaN added to rank
+``fault_rank``'s loss through a detached term, so its gradients and every other rank stay finite.)
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from sentineld.agent import attach
+from tests.e2e.ddp_model import batch_for, make_recipe
+
+
+def segment(runs_dir: str, run_id: str, fault: str, fault_rank: int, fault_step: int, steps: int) -> None:
+    rank = dist.get_rank()
+    recipe = make_recipe()
+    model = DDP(recipe.model)
+    opt = recipe.optimizer
+    watch = attach(model, opt, run_id=run_id, runs_dir=runs_dir, metrics_port=0, flush_s=0.2,
+                   snapshot_every=4, layer_every=0, recipe="tests.e2e.ddp_model:make_recipe")
+    for step in range(steps):
+        batch = batch_for(rank, step, None if fault == "lossonly" else fault, fault_rank, fault_step)
+        opt.zero_grad(set_to_none=True)
+        loss = recipe.loss_fn(model, batch)
+        if fault == "lossonly" and rank == fault_rank and step == fault_step:
+            loss = loss + torch.tensor(float("nan"))  # non-finite loss, finite gradients
+        loss.backward()
+        opt.step()
+        watch.step(loss, batch=batch)
+    watch.close()
+    dist.barrier()
+
+
+def main() -> None:
+    runs_dir, job = sys.argv[1], sys.argv[2]
+    fault_rank, fault_step, steps = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    for fault in sys.argv[6:]:
+        segment(runs_dir, f"{job}-{fault}", fault, fault_rank, fault_step, steps)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

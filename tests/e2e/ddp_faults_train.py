@@ -3,10 +3,12 @@ planted per segment. Each segment trains a fresh model under its own run id
 ``<job>-<fault>`` for ``steps`` steps; the fault sits in ``fault_rank``'s batch at ``fault_step``.
 
 Usage: torchrun --nproc-per-node W ddp_faults_train.py RUNS_DIR JOB FAULT_RANK FAULT_STEP STEPS FAULT...
-(FAULT: one of ``tests.e2e.ddp_model.FAULTS``, or ``lossonly``: a NaN added to rank
-``fault_rank``'s loss through a detached term, so its gradients and every other rank stay finite.)
+(FAULT: one of ``tests.e2e.ddp_model.FAULTS``.) With JOB ``@elastic`` one segment runs under the
+run id the agent takes from the torchrun job, and in the job's first attempt rank 1 dies after
+step 2 (so torchrun, given ``--max-restarts 1``, restarts the job).
 """
 
+import os
 import sys
 
 import torch
@@ -22,17 +24,17 @@ def segment(runs_dir: str, run_id: str, fault: str, fault_rank: int, fault_step:
     recipe = make_recipe()
     model = DDP(recipe.model)
     opt = recipe.optimizer
-    watch = attach(model, opt, run_id=run_id, runs_dir=runs_dir, metrics_port=0, flush_s=0.2,
+    watch = attach(model, opt, run_id=run_id or None, runs_dir=runs_dir, metrics_port=0, flush_s=0.2,
                    snapshot_every=4, layer_every=0, recipe="tests.e2e.ddp_model:make_recipe")
     for step in range(steps):
-        batch = batch_for(rank, step, None if fault == "lossonly" else fault, fault_rank, fault_step)
+        batch = batch_for(rank, step, fault, fault_rank, fault_step)
         opt.zero_grad(set_to_none=True)
         loss = recipe.loss_fn(model, batch)
-        if fault == "lossonly" and rank == fault_rank and step == fault_step:
-            loss = loss + torch.tensor(float("nan"))  # non-finite loss, finite gradients
         loss.backward()
         opt.step()
         watch.step(loss, batch=batch)
+        if not run_id and rank == 1 and step == 2 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            os._exit(1)  # a worker lost: torchrun restarts every rank as a new attempt
     watch.close()
     dist.barrier()
 
@@ -43,7 +45,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     for fault in sys.argv[6:]:
-        segment(runs_dir, f"{job}-{fault}", fault, fault_rank, fault_step, steps)
+        segment(runs_dir, "" if job == "@elastic" else f"{job}-{fault}", fault, fault_rank, fault_step, steps)
     dist.destroy_process_group()
 
 

@@ -21,8 +21,10 @@ __all__ = ["RowNorm", "Net", "make_recipe", "loss_fn", "batch_for", "FAULTS"]
 
 #: Planted faults, each in one rank's batch at one step: NaN data; a row of 3e38 (fc1's addmm
 #: overflows); an all-zero row (backward 0/0 in ``norm``); a sample weight of 1e30 (finite loss
-#: and gradients, Adam's second moment, the squared gradient, overflows in the optimizer step).
-FAULTS = ("data", "forward", "backward", "optimizer")
+#: and gradients, Adam's second moment, the squared gradient, overflows in the optimizer step);
+#: ``lossonly``: a sample weight of 0, whose log in the loss's detached term is -inf: that rank's
+#: loss is NaN, every gradient (and so every other rank) stays finite.
+FAULTS = ("data", "forward", "backward", "optimizer", "lossonly")
 
 
 class RowNorm(nn.Module):
@@ -54,9 +56,10 @@ class Net(nn.Module):
 
 
 def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
-    """Sample-weighted mean cross-entropy for ``batch = (x (B, 8), y (B,), weight (B,))``."""
+    """Sample-weighted mean cross-entropy for ``batch = (x (B, 8), y (B,), weight (B,))``, plus a
+    detached ``0 * log(min weight)`` term (0 for weights of 1; NaN once a weight is 0)."""
     x, y, w = batch
-    return (F.cross_entropy(model(x), y, reduction="none") * w).mean()
+    return (F.cross_entropy(model(x), y, reduction="none") * w).mean() + 0.0 * torch.log(w.detach().amin())
 
 
 def make_recipe(seed: int = 0) -> Recipe:
@@ -77,8 +80,8 @@ def batch_for(rank: int, step: int, fault: str | None, fault_rank: int, fault_st
     if fault is not None and rank == fault_rank and step == fault_step:
         if fault == "data":
             x[sample, 5] = float("nan")
-        elif fault == "optimizer":
-            w[sample] = 1e30
+        elif fault in ("optimizer", "lossonly"):
+            w[sample] = 1e30 if fault == "optimizer" else 0.0
         else:
             x[sample] = 3e38 if fault == "forward" else 0.0
     return x, y, w

@@ -45,8 +45,8 @@ class DdpReplayError(ReplayError):
 def rank_captures(run_dir: Path, world: int, step: int | None) -> dict[int, Path]:
     """Every rank's capture of the incident step (``step`` None: the earliest non-finite one).
 
-    A capture is named by the step its incident opened at; with ``step`` given, each rank's
-    capture holding ``step`` is used.
+    A capture is named by the step its incident opened at; a rank without one of that name gives
+    any capture of its that holds the step (from its snapshot on).
 
     Raises:
         DdpReplayError: the run has no capture, or ranks of ``range(world)`` have none for the
@@ -57,21 +57,20 @@ def rank_captures(run_dir: Path, world: int, step: int | None) -> dict[int, Path
         raise DdpReplayError(f"{run_dir}: no capture-*.h5 in this run; a capture is written when the "
                              "agent sees a non-finite loss, grad norm or learning rate, or on a crash")
     found: dict[int, Path] = {}
+    incidents = [c for c in caps if c[2] == NONFINITE] or caps
+    target = incidents[0][1] if step is None else step
     if step is None:
-        incidents = [c for c in caps if c[2] == NONFINITE] or caps
-        first = incidents[0][1]
         for r, n, _t, path in incidents:
-            if n == first:
+            if n == target:
                 found.setdefault(r, path)
-        what = f"step {first}"
-    else:
-        for r, _n, _t, path in caps:
-            if r in found:
-                continue
-            with contextlib.suppress(CaptureError, OSError), open_capture(path) as cap:
-                if step in cap.steps and cap.snapshot_step <= step:
-                    found[r] = path
-        what = f"step {step}"
+    # Any other capture holding the step will do (a rank that opened its incident a step later).
+    for r, _n, _t, path in caps:
+        if r in found or r >= world:
+            continue
+        with contextlib.suppress(CaptureError, OSError), open_capture(path) as cap:
+            if target in cap.steps and cap.snapshot_step <= target:
+                found[r] = path
+    what = f"step {target}"
     missing = [r for r in range(world) if r not in found]
     if missing:
         raise DdpReplayError(

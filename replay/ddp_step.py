@@ -73,11 +73,6 @@ class DdpStep:
         """Start a step whose ranks' RNG states are ``rngs`` (rank order)."""
         self.rngs, self.losses, self._i, self._pending = list(rngs), [], 0, None
 
-    @property
-    def rank(self) -> int:
-        """The rank whose forward runs next (or last ran)."""
-        return max(0, self._i - 1) % self.world
-
 
 def _buffers(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str]]:
     return {f"{mn}.{bn}" if mn else bn: (m, bn) for mn, m in model.named_modules()

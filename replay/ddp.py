@@ -11,7 +11,10 @@ then runs under the tracer (:func:`sentineld.replay.localize.localize`) with the
 as micro-batches, and the micro-batch of the first birth names the rank it was born on.
 
 Errors: a rank's capture missing for the step is a :class:`~sentineld.replay.engine.ReplayError`
-naming the ranks (exit 2); ``--rank R`` replays one rank's capture alone instead.
+naming the ranks (exit 2); ``--rank R`` replays one rank's capture alone instead. A replay given
+one capture (``--capture``, as the daemon starts it) whose peers are missing (a multi-host job
+whose other hosts keep their own captures) replays that rank alone and says so (a partial verdict,
+``evidence.ddp.partial``).
 """
 
 from __future__ import annotations
@@ -35,31 +38,42 @@ from .engine import ReplayError
 from .localize import localize
 from .rebuild import load_snapshot, run_step, same_loss, state_nonfinite
 
-__all__ = ["DdpReplayError", "rank_captures", "replay_ddp"]
+__all__ = ["DdpReplayError", "rank_captures", "missing_ranks_error", "mark_partial", "replay_ddp"]
 
 
 class DdpReplayError(ReplayError):
     """A DDP run cannot be replayed from its captures (a rank's capture missing or too short)."""
 
 
-def rank_captures(run_dir: Path, world: int, step: int | None) -> dict[int, Path]:
-    """Every rank's capture of the incident step (``step`` None: the earliest non-finite one).
+def rank_captures(run_dir: Path, world: int, step: int | None, capture: Path | None = None
+                  ) -> tuple[dict[int, Path], list[int], int]:
+    """Every rank's capture of the incident step, and the ranks that have none.
 
-    A capture is named by the step its incident opened at; a rank without one of that name gives
-    any capture of its that holds the step (from its snapshot on).
+    The step is ``step``, else ``capture``'s incident step (the daemon names the capture it saw),
+    else the run's earliest non-finite capture step. A capture is named by the step its incident
+    opened at; a rank without one of that name gives any capture of its that holds the step
+    (from its snapshot on). ``capture`` is its rank's capture.
+
+    Returns:
+        ``({rank: path}, missing ranks of range(world), the step)``.
 
     Raises:
-        DdpReplayError: the run has no capture, or ranks of ``range(world)`` have none for the
-            step (the message names them and says what to do).
+        DdpReplayError: the run has no capture.
+        CaptureError: ``capture`` is damaged.
     """
     caps = list_captures(run_dir)
-    if not caps:
+    found: dict[int, Path] = {}
+    target = step
+    if capture is not None:
+        with open_capture(capture) as cap:
+            found[cap.rank] = Path(capture)
+            target = cap.first_step if step is None else step
+    elif not caps:
         raise DdpReplayError(f"{run_dir}: no capture-*.h5 in this run; a capture is written when the "
                              "agent sees a non-finite loss, grad norm or learning rate, or on a crash")
-    found: dict[int, Path] = {}
-    incidents = [c for c in caps if c[2] == NONFINITE] or caps
-    target = incidents[0][1] if step is None else step
-    if step is None:
+    if target is None:
+        incidents = [c for c in caps if c[2] == NONFINITE] or caps
+        target = incidents[0][1]
         for r, n, _t, path in incidents:
             if n == target:
                 found.setdefault(r, path)
@@ -70,16 +84,27 @@ def rank_captures(run_dir: Path, world: int, step: int | None) -> dict[int, Path
         with contextlib.suppress(CaptureError, OSError), open_capture(path) as cap:
             if target in cap.steps and cap.snapshot_step <= target:
                 found[r] = path
-    what = f"step {target}"
-    missing = [r for r in range(world) if r not in found]
-    if missing:
-        raise DdpReplayError(
-            f"{run_dir.name}: the captures of rank(s) {missing} for {what} are missing (found rank(s) "
-            f"{sorted(found) or 'none'} of {world}); a DDP step is rebuilt from every rank's batch. "
-            f"Copy capture-rank{missing[0]}-*.h5 from the host that ran rank {missing[0]} into "
-            f"{run_dir}, or pass --rank {min(found) if found else 0} to replay one rank alone "
-            "(its rebuilt losses deviate once the snapshot is older than the step)")
-    return {r: found[r] for r in range(world)}
+    return {r: found[r] for r in sorted(found)}, [r for r in range(world) if r not in found], target
+
+
+def missing_ranks_error(run_dir: Path, world: int, step: int, found: dict[int, Path],
+                        missing: list[int]) -> DdpReplayError:
+    """The error for a DDP step some of whose ranks' captures are missing (names them, says what to do)."""
+    return DdpReplayError(
+        f"{run_dir.name}: the captures of rank(s) {missing} for step {step} are missing (found rank(s) "
+        f"{sorted(found) or 'none'} of {world}); a DDP step is rebuilt from every rank's batch. "
+        f"Copy capture-rank{missing[0]}-*.h5 from the host that ran rank {missing[0]} into "
+        f"{run_dir}, or pass --rank {min(found) if found else 0} to replay one rank alone "
+        "(its rebuilt losses deviate once the snapshot is older than the step)")
+
+
+def mark_partial(report: Report, world: int, missing: list[int]) -> None:
+    """Say in ``report`` (one rank's replay of a DDP run) which rank it used and which it lacked."""
+    report.evidence["ddp"] = {
+        "world_size": world, "partial": True, "ranks_used": [report.rank], "missing_ranks": missing,
+        "note": (f"the captures of rank(s) {missing} are missing: rank {report.rank}'s batches were "
+                 "re-executed alone, without the other ranks' gradients, so once the snapshot is older "
+                 "than the step the rebuilt losses deviate")}
 
 
 @dataclass

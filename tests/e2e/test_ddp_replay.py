@@ -147,19 +147,38 @@ def test_missing_rank_capture_is_a_clear_error(runs2: Path, tmp_path: Path) -> N
 
 @pytest.mark.slow
 def test_restarted_torchrun_job_is_a_new_run(tmp_path: Path) -> None:
-    """The run id comes from the job's rendezvous id; torchrun's restart (rank 1 dies in the
-    first attempt) is run ``<id>-attempt1``, whose streams and captures do not mix with the old."""
+    """The run id comes from the job's rendezvous id; torchrun's restart (the first attempt
+    fails after step 2) is run ``<id>-attempt1``, whose streams and captures do not mix with the old."""
     runs = tmp_path / "runs"
     _torchrun(runs, 2, "@elastic", 1, "data", extra=(
         "--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{get_free_port()}",
         "--rdzv-id", "job42", "--max-restarts", "1"))
     assert sorted(p.name for p in runs.iterdir()) == ["job42", "job42-attempt1"]
-    # Rank 0 (stopped by torchrun's SIGTERM, its stream closed) got as far as rank 1 did: step 2.
-    first = [json.loads(x) for x in (runs / "job42" / "stream-rank0.jsonl").read_text().splitlines()]
-    assert max(s["step"] for s in first if s.get("kind") == "step") == 2
-    assert not list_captures(runs / "job42") or all(c[2] != "nonfinite" for c in list_captures(runs / "job42"))
+    for r in (0, 1):
+        first = [json.loads(x) for x in (runs / "job42" / f"stream-rank{r}.jsonl").read_text().splitlines()]
+        assert [s["step"] for s in first if s.get("kind") == "step"] == [0, 1, 2]
+        assert first[-1] == {**first[-1], "kind": "end", "reason": "crashed"}
+    assert [(c[0], c[1], c[2]) for c in list_captures(runs / "job42")] == [(0, 2, "crash"), (1, 2, "crash")]
     second = [json.loads(x) for x in (runs / "job42-attempt1" / "stream-rank1.jsonl").read_text().splitlines()]
     assert [s["step"] for s in second if s.get("kind") == "step"] == list(range(STEPS))
     assert json.loads((runs / "job42-attempt1" / "run.json").read_text())["run_id"] == "job42-attempt1"
     report = replay_run(runs / "job42-attempt1")
     assert (report.run_id, report.phase, report.rank, report.reproduced) == ("job42-attempt1", "data", 1, True)
+
+
+@pytest.mark.slow
+def test_replay_of_one_named_capture_uses_every_rank_or_says_it_did_not(runs2: Path, tmp_path: Path) -> None:
+    """The daemon starts the replay with ``--capture`` (one rank's file): the replay still takes
+    every rank's capture; where the others are missing it replays that rank alone and says so."""
+    rank1 = next(c[3] for c in list_captures(runs2 / "w2-forward") if c[0] == 1)
+    report = replay_run(runs2 / "w2-forward", capture=rank1)
+    assert report.evidence["ddp"]["ranks_used"] == [0, 1] and report.reproduced
+    assert (report.phase, report.module, report.rank) == ("forward", "fc1", 1)
+    run = tmp_path / "w2-forward"
+    shutil.copytree(runs2 / "w2-forward", run)
+    next(c[3] for c in list_captures(run) if c[0] == 0).unlink()
+    partial = replay_run(run, capture=run / rank1.name)
+    ddp = partial.evidence["ddp"]
+    assert ddp["partial"] and ddp["ranks_used"] == [1] and ddp["missing_ranks"] == [0]
+    # Rank 1's batches alone, without rank 0's gradients: S < N, so the losses deviate.
+    assert not partial.reproduced and partial.max_loss_deviation > 0

@@ -107,6 +107,11 @@ def _details(r: Report) -> list[str]:
     if sched:
         out.append(f"lr used by the step {sched.get('lr_used_by_step')}, set for the next "
                    f"{sched.get('lr_set_for_next_step')} (last_epoch {sched.get('last_epoch')})")
+    ddp = ev.get("ddp")
+    if isinstance(ddp, dict):  # a data-parallel run (replay.ddp)
+        out.append(f"ranks: born on {r.ranks or '-'} of {ddp.get('world_size')}, replayed from {ddp.get('ranks_used')}"
+                   + (f", missing {ddp['missing_ranks']} (partial)" if ddp.get("partial") else "")
+                   + (f", loss tolerance {r.loss_tolerance:.3g}" if r.loss_tolerance else ""))
     if r.phase == "none":
         out.append(f"recorded run non-finite here: {r.recorded_nonfinite}")
     if ev.get("warning"):

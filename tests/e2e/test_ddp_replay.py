@@ -20,6 +20,7 @@ import pytest
 
 from sentineld.contracts.capture import open_capture
 from sentineld.contracts.rundir import list_captures
+from sentineld.contracts.verdict import render_text
 from sentineld.replay.engine import replay_run
 from tests.conftest import REPO, get_free_port
 
@@ -71,6 +72,7 @@ def _check(report: Any, fault: str, world: int, fault_rank: int) -> None:
         report.to_json()[:3000]
     ranks = list(range(world)) if fault == "optimizer" else [fault_rank]
     assert report.ranks == ranks and report.rank == ranks[0]
+    assert f"ranks: born on {ranks} of {world}, replayed from {list(range(world))}" in render_text(report)
     assert report.step == FAULT_STEP and report.evidence["snapshot_step"] == SNAPSHOT
     assert report.steps_rebuilt == FAULT_STEP - SNAPSHOT
     ddp = report.evidence["ddp"]

@@ -13,7 +13,7 @@ import torch
 
 from sentineld.contracts.rundir import stream_path, valid_run_id
 
-__all__ = ["dist_rank", "default_run_id", "unwrap", "torch_flags", "unused_run_id"]
+__all__ = ["dist_rank", "default_run_id", "job_attempt", "unwrap", "torch_flags", "unused_run_id"]
 
 log = logging.getLogger("sentineld.agent")
 
@@ -28,10 +28,37 @@ def dist_rank() -> tuple[int, int, int]:
 
 
 def default_run_id() -> str:
-    for var in ("SENTINELD_RUN_ID", "TORCHELASTIC_RUN_ID"):
-        if os.environ.get(var) and valid_run_id(os.environ[var]):
-            return os.environ[var]
+    """The run id when ``attach`` got none: ``$SENTINELD_RUN_ID``, else the torchrun job's
+    ``$TORCHELASTIC_RUN_ID`` (the rendezvous id, shared by every rank of the job; torchrun's
+    placeholder ``none`` for a job started without ``--rdzv-id`` becomes
+    ``torchrun-<master addr>-<master port>``, which every rank of that job shares too), else
+    ``<time>-<host>-<pid>`` (one process)."""
+    env = os.environ
+    if env.get("SENTINELD_RUN_ID") and valid_run_id(env["SENTINELD_RUN_ID"]):
+        return env["SENTINELD_RUN_ID"]
+    job = env.get("TORCHELASTIC_RUN_ID", "")
+    if job == "none" and env.get("MASTER_PORT"):
+        job = f"torchrun-{env.get('MASTER_ADDR', 'localhost')}-{env['MASTER_PORT']}"
+    if job and job != "none" and valid_run_id(job):
+        return job
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
+
+
+def job_attempt(run_id: str) -> str:
+    """``run_id``, or ``run_id-attempt<N>`` in the N-th restart of a torchrun (elastic) job.
+
+    A restarted job (``$TORCHELASTIC_RESTART_COUNT`` > 0) restarts every rank from its last
+    checkpoint, not from where the old attempt stopped: its steps repeat the old attempt's
+    numbers, so it is a new run. Every rank of the attempt reads the same count, so they agree.
+    """
+    try:
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return run_id
+    if attempt <= 0:
+        return run_id
+    suffix = f"-attempt{attempt}"
+    return run_id[: 128 - len(suffix)] + suffix
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

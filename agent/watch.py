@@ -47,7 +47,7 @@ from sentineld.contracts.records import record_to_json
 from sentineld.contracts.rng import capture_rng
 from sentineld.contracts.rundir import RunDir, default_runs_dir, valid_run_id
 from sentineld.contracts.snapshot import state_of
-from sentineld.contracts.triggers import CRASH, MANUAL
+from sentineld.contracts.triggers import CRASH, MANUAL, NONFINITE
 
 from .agent_config import AgentConfig
 from .capturer import CaptureWriter
@@ -56,10 +56,11 @@ from .exits import EXITS
 from .exporter import Latest, start_exporter
 from .incidents import IncidentPolicy
 from .localize_live import make_localizer
+from .peers import peer_incidents
 from .readback import Readback, grad_norm
 from .ring import Ring, RingEntry, Snapshot, to_host, tree_nbytes
 from .runfiles import open_run_files
-from .runinfo import default_run_id, dist_rank, unwrap
+from .runinfo import default_run_id, dist_rank, job_attempt, unwrap
 from .snapshots import SnapshotSchedule
 
 __all__ = ["Watch"]
@@ -142,6 +143,7 @@ class Watch:
         self._probe_checked = False
         self._gnorm: torch.Tensor | None = None
         self._pre_hook_ran = False
+        self._peers = peer_incidents(self.run_id, self.rank, world) if self.enabled else None
         self._install_hooks()
         EXITS.register(self)
 
@@ -341,6 +343,8 @@ class Watch:
             self._disk.add_step(entry, event)
         if self._incidents.due(self._n - 1):
             self._flush_incident()
+        if self._peers is not None and self._peers.requests:
+            self._peer_captures()
         if self._n % 16 == 1:  # cadence drifts slowly; re-derive it now and then, not per step
             self._schedule.tune(self._ring.entries[-1].nbytes if self._ring.entries else 0)
         self._schedule.step_done(self._incidents.latched)
@@ -364,6 +368,8 @@ class Watch:
             self.stream.put(obj, urgent=bad)
             if opened is not None and step == self._n - 1:
                 opened.grads = self._grads_now()
+            if opened is not None and self._peers is not None:
+                self._peers.publish(opened.step)  # other ranks capture this step too
 
     def _grads_now(self) -> dict[str, torch.Tensor]:
         names = {id(p): n for n, p in self._inner.named_parameters()}
@@ -410,6 +416,13 @@ class Watch:
             return
         snap, entries = span
         self._writer.start(trigger, step, snap, entries, grads, message)
+
+    def _peer_captures(self) -> None:
+        """Capture the steps where another rank opened an incident (agent/peers.py)."""
+        for step, rank in self._peers.take() if self._peers is not None else []:
+            last = self._ring.entries[-1].step if self._ring.entries else step
+            self._capture(NONFINITE, step, None, f"rank {rank} went non-finite at step {step}: this rank's "
+                          "capture of the step, for the DDP replay", last=max(step, last))
 
     def capture_now(self, trigger: str = MANUAL, message: str = "") -> None:
         """Write the ring buffer as a capture ending at the newest step (e.g. before a risky change)."""
@@ -462,8 +475,13 @@ class Watch:
                 self._readback.wait_all()
                 self._resolve_ready()
                 self._flush_incident()
+                if self._peers is not None:
+                    self._peers.close()
+                    self._peer_captures()
             except Exception as exc:  # noqa: BLE001
                 self._disable(exc)
+        if self._peers is not None:
+            self._peers.stop()
         deadline = time.monotonic() + timeout_s
         self._writer.join(deadline)
         if self._disk is not None:
@@ -505,7 +523,7 @@ def _check_args(model: Any, optimizer: Any, run_id: str | None, recipe: str | No
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    run_id = run_id or default_run_id()
+    run_id = job_attempt(run_id or default_run_id())
     if not valid_run_id(run_id):
         raise ValueError(f"run_id {run_id!r} must be 1-128 letters, digits, '.', '_' or '-'")
     if recipe is not None and ":" not in recipe:

@@ -133,17 +133,39 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
             capture: str | Path | None, rank: int | None = None) -> Report:
     t0 = time.perf_counter()
     meta = read_run_meta(run_dir)
-    cap_path = Path(capture) if capture else find_capture(run_dir, step, rank)
+    ranks: dict[int, Path] = {}
+    missing: list[int] = []
+    if meta.world_size > 1 and rank is None and (spec or meta.recipe):
+        from .ddp import missing_ranks_error, rank_captures  # noqa: PLC0415
+
+        # A DDP step needs every rank's batch; given one capture (the daemon), use its rank
+        # alone when the others are missing (a partial verdict).
+        ranks, missing, n = rank_captures(run_dir, meta.world_size, step, Path(capture) if capture else None)
+        if missing and capture is None:
+            raise missing_ranks_error(run_dir, meta.world_size, n, ranks, missing)
+        ranks = {} if missing else ranks
+    cap_path = Path(capture) if capture else ranks[0] if ranks else find_capture(run_dir, step, rank)
     named_by = [p for p in (run_dir / RunDir.RUN_JSON, cap_path) if p.exists()]
     if not (spec or meta.recipe):  # a run with neither recipe nor loss_fn: forward-only
         from .forward_replay import replay_forward_only  # noqa: PLC0415
 
         return replay_forward_only(meta, cap_path, trust, named_by)
     flags = meta.extra.get("torch_flags") if isinstance(meta.extra, dict) else None
+    env = lambda: torch_globals(meta.num_threads, flags if isinstance(flags, dict) else None)  # noqa: E731
+    if ranks:
+        from .ddp import replay_ddp  # noqa: PLC0415
+
+        named_by += [p for r, p in sorted(ranks.items()) if r]
+        report = replay_ddp(ranks, _factory(meta, spec, trust, named_by), step, env, t0=t0)
+        report.run_id = meta.run_id
+        return report
     report = replay_capture(
-        cap_path, lambda: _factory(meta, spec, trust, named_by), step,
-        lambda: torch_globals(meta.num_threads, flags if isinstance(flags, dict) else None), t0=t0)
+        cap_path, lambda: _factory(meta, spec, trust, named_by), step, env, t0=t0)
     report.run_id = meta.run_id
+    if missing:
+        from .ddp import mark_partial  # noqa: PLC0415
+
+        mark_partial(report, meta.world_size, missing)
     return report
 
 

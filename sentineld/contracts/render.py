@@ -71,9 +71,13 @@ def _title(r: Mapping[str, Any]) -> str:
     module = r.get("module")
     if phase == "none":
         return f"[sentineld] replay of run {run} step {step}: every value finite"
+    ranks = r.get("ranks") or []
     if phase == "data":
-        return f"[sentineld] replay of run {run} step {step}: non-finite input data"
+        on = f" on rank {', '.join(map(str, ranks))}" if ranks else ""
+        return f"[sentineld] replay of run {run} step {step}: non-finite input data{on}"
     where = f", module {module}" if module else (f", in the {r['where']}" if r.get("where") else "")
+    if ranks and phase != "optimizer":  # a data-parallel run: where it was born (an optimizer fault is on all)
+        where += f", rank {', '.join(map(str, ranks))}"
     return f"[sentineld] replay of run {run}: step {step} went non-finite in {phase}{where}"
 
 
@@ -112,6 +116,13 @@ def _evidence_lines(r: Mapping[str, Any]) -> list[str]:
     if sched:
         out.append(f"lr used by the step {sched.get('lr_used_by_step')}, set for the next "
                    f"{sched.get('lr_set_for_next_step')} (last_epoch {sched.get('last_epoch')})")
+    ddp = ev.get("ddp")
+    if isinstance(ddp, Mapping):  # a data-parallel run (replay.ddp)
+        tol = r.get("loss_tolerance") or 0.0
+        out.append(f"ranks: born on {r.get('ranks') or '-'} of {ddp.get('world_size')}, replayed from "
+                   f"{ddp.get('ranks_used')}"
+                   + (f", missing {ddp.get('missing_ranks')} (partial)" if ddp.get("partial") else "")
+                   + (f", loss tolerance {_fmt(tol)}" if tol else ""))
     if r.get("phase") == "none":
         out.append(f"recorded run non-finite here: {r.get('recorded_nonfinite')}")
     if ev.get("warning"):

@@ -13,7 +13,9 @@ autograd Function's class name; the primitive inside its derivative is ``evidenc
 ``autograd_node``, ``parameters``, ``reproduced``, ``max_loss_deviation``, ``steps_rebuilt``,
 ``recorded_nonfinite``, ``cause_class`` (one of :data:`CAUSE_CLASSES`), ``cause``, ``fix``,
 ``evidence``, ``capture``, ``elapsed_s``, ``rebuild_s`` (loading the capture and re-executing
-S..N-1), ``localize_s`` (the instrumented step).
+S..N-1), ``localize_s`` (the instrumented step); a data-parallel run's replay adds
+``ranks`` (the ranks where the first non-finite value was born; every rank for an optimizer-step
+fault) and ``loss_tolerance`` (largest accepted |rebuilt - recorded| loss; 0 = bit for bit).
 
 ``evidence`` keys by phase: ``data``: ``field``, ``samples``, ``fields``; ``forward``:
 ``op_inputs``, ``op_output``, ``module_call``, ``first_nonfinite_module``, ``micro_batch``;
@@ -99,6 +101,8 @@ class Report:
     elapsed_s: float = 0.0
     rebuild_s: float = 0.0
     localize_s: float = 0.0
+    ranks: list[int] = field(default_factory=list)
+    loss_tolerance: float = 0.0
     schema_version: int = REPORT_SCHEMA_VERSION
 
     def to_json(self) -> str:

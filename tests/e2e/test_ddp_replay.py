@@ -60,9 +60,9 @@ def runs4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 EXPECTED: dict[str, tuple[str, str | None, str | None, str | None]] = {
     "data": ("data", None, None, None),
     "forward": ("forward", "fc1", "aten.addmm", None),
-    "backward": ("backward", "norm", "aten.div", "SqrtBackward0"),
+    "backward": ("backward", "norm", "aten.sqrt", "SqrtBackward0"),  # the forward op; primitive in evidence
     "optimizer": ("optimizer", "fc1", "aten.addcmul_", None),
-    "lossonly": ("forward", "loss", "aten.log", None),
+    "lossonly": ("forward", None, "aten.log", None),  # outside the model: module null, `where` says so
 }
 
 
@@ -72,6 +72,10 @@ def _check(report: Any, fault: str, world: int, fault_rank: int) -> None:
         report.to_json()[:3000]
     ranks = list(range(world)) if fault == "optimizer" else [fault_rank]
     assert report.ranks == ranks and report.rank == ranks[0]
+    if module is None and phase != "data":
+        assert report.where and "outside the model" in report.where, report.where
+    if fault == "backward":
+        assert report.evidence["primitive"] == "aten.div"
     assert f"ranks: born on {ranks} of {world}, replayed from {list(range(world))}" in render_text(report)
     assert report.step == FAULT_STEP and report.evidence["snapshot_step"] == SNAPSHOT
     assert report.steps_rebuilt == FAULT_STEP - SNAPSHOT

@@ -79,10 +79,10 @@ def memory_bound(model: torch.nn.Module, optimizer: torch.optim.Optimizer, confi
             seen.add(id(t))
             params += t.numel() * t.element_size()
             grads += t.numel() * t.element_size() if t.requires_grad else 0
-    for t in model.buffers():
-        if id(t) not in seen:
-            seen.add(id(t))
-            buffers += t.numel() * t.element_size()
+    for b in model.buffers():
+        if id(b) not in seen:
+            seen.add(id(b))
+            buffers += b.numel() * b.element_size()
     snapshot = params + buffers + grads + optimizer_state_estimate(optimizer, params)
     return MemoryBound(batches=config.ring_bytes,
                        forward_args=config.ring_bytes if forward_only_localizer else 0,

@@ -7,7 +7,8 @@ part of the per-step path is called on its own ``--reps`` times in a loop and ti
 copy to host, the ring bookkeeping, the readback into a record, the stream line, the localizer's
 forward-argument copy, the probe hooks (forward hooks on every module), the snapshot (amortized
 over the current cadence). The last line times one whole watched step minus a bare step, same
-process, interleaved, as a check that the parts add up.
+process, interleaved, in training-thread CPU time (``time.thread_time``: immune to the other
+processes on this shared VM), with and without the per-layer probes, as a check on the parts.
 
 Run: ``python bench/step_profile.py [--reps 2000] [--rounds 5] [--disk-ring]``.
 """
@@ -43,25 +44,25 @@ def per_call_us(fn: Callable[[], Any], reps: int, rounds: int) -> float:
 
 
 def train_steps(model: Any, opt: Any, batches: list[Any], watch: Any, n: int) -> float:
-    """Median wall seconds of one training step over ``n`` steps (``watch`` may be None)."""
-    ts = []
+    """Mean CPU seconds of the training thread per step over ``n`` steps (``watch`` may be None).
+    Thread CPU time, not wall: on this shared VM wall time swings +-50% with other processes,
+    while the training thread's own CPU time is what the agent adds to it."""
+    t0 = time.thread_time()
     for i in range(n):
         x, y = batches[i % len(batches)]
-        t0 = time.perf_counter()
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         if watch is not None:
             watch.step(loss, batch=(x, y))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return (time.thread_time() - t0) / n
 
 
 def parts(watch: Any, batch: Any, loss: torch.Tensor) -> dict[str, tuple[Callable[[], Any] | None, Callable[[], Any]]]:
     """The per-step parts: ``name -> (how the agent did it before this change or None, now)``."""
     from sentineld.agent.readback import grad_norm
-    from sentineld.agent.ring import HostCopies, RingEntry, to_host_sized
+    from sentineld.agent.ring import HostCopies, Ring, RingEntry, to_host_sized
     from sentineld.agent.rngread import RngReader
     from sentineld.contracts.records import record_to_json
     from sentineld.contracts.rng import capture_rng
@@ -93,8 +94,10 @@ def parts(watch: Any, batch: Any, loss: torch.Tensor) -> dict[str, tuple[Callabl
         copies.copy(batch)
         copies.clear()
 
+    ring = Ring(rec.ring.window, rec.ring.max_bytes)  # a copy: the watched run's ring stays as it is
+
     def ring_add() -> None:
-        rec.ring.add_step(RingEntry(step=entry.step, batch=entry.batch, rng=None, record=None,
+        ring.add_step(RingEntry(step=entry.step, batch=entry.batch, rng=None, record=None,
                                     nbytes=entry.nbytes))
 
     def readback() -> None:
@@ -123,7 +126,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=300, help="steps per block in the whole-step check")
+    ap.add_argument("--steps", type=int, default=200, help="steps per block in the whole-step check")
+    ap.add_argument("--blocks", type=int, default=9, help="blocks in the whole-step check")
     ap.add_argument("--disk-ring", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -154,16 +158,27 @@ def main() -> None:
         tot_b, tot_n = tot_b + us_b, tot_n + us_n
         print(f"{name:<36}{us_b:>10.1f}{us_n:>9.1f}")
     print(f"{'sum of parts':<36}{tot_b:>10.1f}{tot_n:>9.1f}")
-    diffs = []
-    for i in range(6):
-        order = [(bare, opt_b, None), (model, opt, watch)]
-        if i % 2:
-            order.reverse()
-        res = {id(m): train_steps(m, o, batches, w, args.steps) for m, o, w in order}
-        diffs.append((res[id(model)] - res[id(bare)]) * 1e6)
-        bare_us = res[id(bare)] * 1e6
-    print(f"{'whole step, watched - bare (median)':<36}{statistics.median(diffs):>9.1f}   "
-          f"(bare step {bare_us:.0f} us; spread {min(diffs):.0f}..{max(diffs):.0f})")
+    # Whole steps: bare, agent without probes, agent at defaults; interleaved, thread CPU time.
+    nop, _ = mlp()
+    nop.load_state_dict(bare.state_dict())
+    opt_n = torch.optim.Adam(nop.parameters(), 1e-4)
+    w_nop = attach(nop, opt_n, run_id="profile-noprobes", runs_dir=tempfile.mkdtemp(prefix="sentineld-prof-"),
+                   metrics_port=-1, layer_every=0, disk_ring=args.disk_ring)
+    loops = {"bare": (bare, opt_b, batches, None), "agent, probes off": (nop, opt_n, batches, w_nop),
+             "agent, defaults": (model, opt, batches, watch)}
+    per: dict[str, list[float]] = {k: [] for k in loops}
+    for i in range(args.blocks):
+        names = list(loops)[i % 3:] + list(loops)[:i % 3]
+        for k in names:
+            per[k].append(train_steps(*loops[k], args.steps) * 1e6)
+    bare_us = statistics.median(per["bare"])
+    print(f"whole step, training-thread CPU us (median of {args.blocks} blocks x {args.steps} steps):")
+    print(f"  bare {bare_us:.0f}")
+    for k in list(loops)[1:]:
+        added = [a - b for a, b in zip(per[k], per["bare"])]
+        print(f"  {k}: +{statistics.median(added):.0f} ({statistics.median(per[k]) / bare_us:.3f}x; "
+              f"blocks {min(added):.0f}..{max(added):.0f})")
+    w_nop.close()
     watch.close()
 
 

@@ -62,8 +62,10 @@ def _walk(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     tp = type(tree)
     if tp is torch.Tensor or tp is torch.nn.Parameter:
         return fn(tree)
-    if tp is tuple or tp is list:
-        return tp(_walk(v, fn) for v in tree)
+    if tp is tuple:
+        return tuple([_walk(v, fn) for v in tree])  # a list comprehension: no generator frames
+    if tp is list:
+        return [_walk(v, fn) for v in tree]
     if tp is dict:
         return {k: _walk(v, fn) for k, v in tree.items()}
     if tp in _PLAIN:

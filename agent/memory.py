@@ -50,6 +50,14 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    # A lazy module's parameter has no shape until its first forward (numel() raises): 0 here,
+    # so attach never fails on it; the figure then leaves that parameter out.
+    if torch.nn.parameter.is_lazy(t):
+        return 0
+    return t.numel() * t.element_size()
+
+
 def optimizer_state_estimate(optimizer: torch.optim.Optimizer, param_bytes: int) -> int:
     """Optimizer state bytes now, or before the first step a figure from its class: Adam-family
     keeps two moments per parameter (AdamW, Adamax, NAdam, RAdam too), momentum SGD one, else 0."""
@@ -77,12 +85,12 @@ def memory_bound(model: torch.nn.Module, optimizer: torch.optim.Optimizer, confi
     for t in model.parameters():
         if id(t) not in seen:
             seen.add(id(t))
-            params += t.numel() * t.element_size()
-            grads += t.numel() * t.element_size() if t.requires_grad else 0
+            params += _nbytes(t)
+            grads += _nbytes(t) if t.requires_grad else 0
     for b in model.buffers():
         if id(b) not in seen:
             seen.add(id(b))
-            buffers += b.numel() * b.element_size()
+            buffers += _nbytes(b)
     snapshot = params + buffers + grads + optimizer_state_estimate(optimizer, params)
     return MemoryBound(batches=config.ring_bytes,
                        forward_args=config.ring_bytes if forward_only_localizer else 0,

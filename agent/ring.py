@@ -94,6 +94,15 @@ def to_host_sized(tree: Any) -> tuple[Any, int]:
     return _walk(tree, copy), total
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter; None for one without (an inference-mode tensor
+    raises on ``_version``): such a tensor is copied every time, never shared."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return None
+
+
 class HostCopies:
     """Host copies of the tensors seen in the current step, so a tensor that is both a forward
     argument (copied by the in-process localizer at the forward) and part of the batch (copied at
@@ -114,12 +123,14 @@ class HostCopies:
 
         def copy(t: torch.Tensor) -> torch.Tensor:
             nonlocal total
-            hit = memo.get(id(t))
-            if hit is not None and hit[0] is t and hit[1] == t._version:
+            version = _version(t)
+            hit = memo.get(id(t)) if version is not None else None
+            if hit is not None and hit[0] is t and hit[1] == version:
                 out = hit[2]
             else:
                 out = _host_copy(t)
-                memo[id(t)] = (t, t._version, out)
+                if version is not None:
+                    memo[id(t)] = (t, version, out)
             total += out.numel() * out.element_size()
             return out
 

@@ -85,6 +85,31 @@ def test_host_copies_share_one_copy_per_step_and_recopy_after_in_place_change():
     assert bx3 is not bx2
 
 
+def test_inference_mode_batch_is_copied_and_recorded(tmp_path):
+    """A batch made under torch.inference_mode() has no version counter (``_version`` raises):
+    the shared-copy memo raised on it and the agent disabled itself (found in review)."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(5, 2)
+    o = torch.optim.SGD(m.parameters(), 0.1)
+    w = attach(m, o, run_id="inf", runs_dir=tmp_path, metrics_port=0)
+    with torch.inference_mode():
+        x = torch.randn(3, 5)
+    y = torch.tensor([0, 1, 0])
+    for _ in range(3):
+        o.zero_grad()
+        loss = F.cross_entropy(m(x.clone()), y)  # the model needs a normal tensor for autograd
+        loss.backward()
+        o.step()
+        w.step(loss, batch=(x, y))
+    assert w.enabled and len(w._ring.entries) == 3
+    assert torch.equal(w._ring.entries[-1].batch[0], x) and w._ring.entries[-1].batch[0] is not x
+    w.close()
+    hc = HostCopies()
+    (a,), _ = hc.copy((x,))
+    (b,), _ = hc.copy((x,))
+    assert a is not b and torch.equal(a, b)
+
+
 def test_batch_copy_in_the_ring_is_the_forward_argument_copy(tmp_path):
     torch.manual_seed(0)
     m = torch.nn.Linear(5, 2)
@@ -131,3 +156,4 @@ def test_memory_bound_is_logged_and_exported_at_attach(tmp_path, caplog):
         assert float(line.rsplit(" ", 1)[1]) == float(want)
     finally:
         w.close()
+

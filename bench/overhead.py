@@ -3,7 +3,8 @@
 Method: identical models (same init), one per variant: ``bare``; ``gradnorm`` (the loop computes
 the fused global grad norm itself, on device, never read: the floor a NaN check cannot avoid);
 ``sentineld`` (the agent at its defaults: ring, snapshots, probes, stream, metrics all on);
-``disk_ring`` (the same with ``disk_ring=True``); ``anomaly`` (``torch.autograd.detect_anomaly``).
+``disk_ring`` (the same with ``disk_ring=True``); ``anomaly`` (``torch.autograd.detect_anomaly``);
+on request ``no_probes`` (the agent with ``layer_every=0``: what the sampled layer probes cost).
 Blocks of ``--block`` steps run the variants in turn, the order rotated every block so drift in
 machine speed (+-10% minute to minute on this shared VM) hits all alike. Per block we take each
 variant's median step wall time and its process CPU time per step; the figure is the median over
@@ -112,9 +113,10 @@ class Variant:
         self.opt = torch.optim.Adam(model.parameters(), 1e-4)
         self.watch = None
         self.norm: Callable[[], Any] | None = None
-        if label in ("sentineld", "disk_ring"):
+        if label in ("sentineld", "disk_ring", "no_probes"):
             self.watch = attach(model, self.opt, run_id=f"bench-{label}", runs_dir=runs_dir,
-                                metrics_port=-1, disk_ring=label == "disk_ring")
+                                metrics_port=-1, disk_ring=label == "disk_ring",
+                                layer_every=0 if label == "no_probes" else 50)
         elif label == "gradnorm":
             self.norm = lambda: grad_norm(self.opt)
         self.anomaly = label == "anomaly"

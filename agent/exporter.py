@@ -34,6 +34,8 @@ class Latest:
     captures_total: int = 0
     enabled: bool = True
     layers: dict[str, Any] = field(default_factory=dict)
+    #: Upper bound of the ring's host memory, bytes (agent/memory.py), set once at attach.
+    ring_bound_bytes: int | None = None
 
 
 #: Labels of every agent series. ``host`` is the training host's name, as in the daemon's alerts
@@ -72,6 +74,8 @@ class _Collector:
         yield counter(M.OPTIMIZER_SKIPPED_TOTAL, "Steps GradScaler skipped",
                       lt.skipped_total)
         yield counter(M.CAPTURES_TOTAL, "Capture files written", lt.captures_total)
+        yield from gauge(M.RING_MEMORY_BOUND, "Upper bound of the ring's host memory",
+                         lt.ring_bound_bytes)
         if r is not None:
             yield from gauge(M.STEP, "Last optimizer step recorded", r.step)
             yield from gauge(M.TRAIN_LOSS, "Loss of the last step", r.loss)

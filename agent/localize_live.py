@@ -48,7 +48,7 @@ import torch
 
 from sentineld.contracts.verdict_file import LOCALIZE_MODES, LOCALIZED_TRIGGERS, write_verdict
 
-from .ring import RingEntry, Snapshot, to_host, tree_nbytes
+from .ring import HostCopies, RingEntry, Snapshot
 
 __all__ = ["LiveLocalizer", "make_localizer", "state_bytes"]
 
@@ -117,6 +117,9 @@ class LiveLocalizer:
         self.memory_bytes = params + (0 if self.forward_only else _optimizer_estimate(model, optimizer, params))
         self.verdicts: list[Path] = []
         self.last_s: float | None = None
+        #: The agent's per-step host copies (set by the Watch), shared with its batch copy.
+        self.copies: HostCopies | None = None
+        self._calls_nbytes = 0
 
     # ------------------------------------------------------------ per step
     def on_forward(self, step: int, args: Any, kwargs: Any, snapshot_due: bool) -> None:
@@ -140,12 +143,17 @@ class LiveLocalizer:
                 del self.modes[old]
             self.num_threads = torch.get_num_threads()
         if self.forward_only:
-            call = (step, to_host(tuple(args)), to_host(dict(kwargs or {})))
-            self.calls.append(call)
-            self._call_bytes.append(tree_nbytes(call))
-            while len(self.calls) > 1 and sum(self._call_bytes) > self.max_bytes:  # the ring's byte bound
+            # Through the agent's per-step HostCopies when set: a forward argument that is also
+            # in the batch is then copied to host once per step, not twice.
+            copies = self.copies or HostCopies()
+            (host_args, host_kwargs), nbytes = copies.copy((tuple(args), dict(kwargs or {})))
+            self.calls.append((step, host_args, host_kwargs))
+            self._call_bytes.append(nbytes)
+            self._calls_nbytes = sum(self._call_bytes)
+            while len(self.calls) > 1 and self._calls_nbytes > self.max_bytes:  # the ring's byte bound
                 self.calls.popleft()
                 self._call_bytes.popleft()
+                self._calls_nbytes = sum(self._call_bytes)
 
     def calls_for(self, entries: list[RingEntry]) -> dict[int, Any] | None:
         """The recorded forward calls of ``entries``' steps, for the capture (forward-only runs)."""

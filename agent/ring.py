@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from sentineld.contracts.treecodec import map_tensors
 
-__all__ = ["RingEntry", "Snapshot", "Ring", "to_host", "tree_nbytes"]
+__all__ = ["RingEntry", "Snapshot", "Ring", "HostCopies", "to_host", "to_host_sized", "tree_nbytes"]
 
 
 @dataclass
@@ -55,9 +55,86 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _walk(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    # The shapes a batch or a state dict nearly always has (tensors in plain tuples, lists and
+    # dicts) by exact type; anything else through map_tensors, which rebuilds it the same way.
+    # Per step this is a few microseconds instead of ~25 us of map_tensors' generic checks.
+    tp = type(tree)
+    if tp is torch.Tensor or tp is torch.nn.Parameter:
+        return fn(tree)
+    if tp is tuple:
+        return tuple([_walk(v, fn) for v in tree])  # a list comprehension: no generator frames
+    if tp is list:
+        return [_walk(v, fn) for v in tree]
+    if tp is dict:
+        return {k: _walk(v, fn) for k, v in tree.items()}
+    if tp in _PLAIN:
+        return tree
+    return map_tensors(tree, fn)
+
+
+_PLAIN = (int, float, str, bool, type(None), bytes)
+
+
 def to_host(tree: Any) -> Any:
     """Copy every tensor of ``tree`` to host memory (async from CUDA; pair with an event)."""
-    return map_tensors(tree, _host_copy)
+    return _walk(tree, _host_copy)
+
+
+def to_host_sized(tree: Any) -> tuple[Any, int]:
+    """``(to_host(tree), bytes of its tensors)`` in one pass."""
+    total = 0
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        out = _host_copy(t)
+        total += out.numel() * out.element_size()
+        return out
+
+    return _walk(tree, copy), total
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter; None for one without (an inference-mode tensor
+    raises on ``_version``): such a tensor is copied every time, never shared."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return None
+
+
+class HostCopies:
+    """Host copies of the tensors seen in the current step, so a tensor that is both a forward
+    argument (copied by the in-process localizer at the forward) and part of the batch (copied at
+    ``watch.step``) is copied once. A tensor is reused only while it is the same object at the
+    same version counter: an in-place change between forward and step is copied again.
+    :meth:`clear` at the end of every step (it holds references to the step's tensors)."""
+
+    def __init__(self) -> None:
+        self._memo: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def clear(self) -> None:
+        """Forget this step's tensors."""
+        self._memo.clear()
+
+    def copy(self, tree: Any) -> tuple[Any, int]:
+        """``(host copy of tree, bytes of its tensors)``; see :func:`to_host_sized`."""
+        total, memo = 0, self._memo
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            version = _version(t)
+            hit = memo.get(id(t)) if version is not None else None
+            if hit is not None and hit[0] is t and hit[1] == version:
+                out = hit[2]
+            else:
+                out = _host_copy(t)
+                if version is not None:
+                    memo[id(t)] = (t, version, out)
+            total += out.numel() * out.element_size()
+            return out
+
+        return _walk(tree, copy), total
 
 
 def tree_nbytes(tree: Any) -> int:
@@ -69,7 +146,7 @@ def tree_nbytes(tree: Any) -> int:
         total += t.numel() * t.element_size()
         return t
 
-    map_tensors(tree, add)
+    _walk(tree, add)
     return total
 
 

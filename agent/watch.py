@@ -24,9 +24,11 @@ What happens where, and why:
 Framework callbacks (:mod:`sentineld.integrations`) feed the same steps from the framework's own
 points through :meth:`Watch.begin_step`, :meth:`Watch.grads_ready` and :meth:`Watch.start_at`.
 
-The parts, each owning its state: :mod:`.readback` (values to records), :mod:`.snapshots`
-(cadence), :mod:`.incidents` (when to capture), :mod:`.capturer` (the writer thread),
-:mod:`.runfiles` (run directory, run.json, stream), :mod:`.diskring` (the on-disk ring).
+The parts, each owning its state: :mod:`.recorder` (the per-step path: ring, snapshots, records,
+captures), :mod:`.readback` (values to records), :mod:`.snapshots` (cadence), :mod:`.incidents`
+(when to capture), :mod:`.capturer` (the writer thread), :mod:`.runfiles` (run directory,
+run.json, stream), :mod:`.diskring` (the on-disk ring), :mod:`.wiring` (building them at attach).
+This class is the thin front: hooks, the public calls, and the "never raise into the loop" rule.
 
 The agent never raises into the loop: an internal error is logged once and the agent disables
 itself (``watch.enabled`` becomes False), leaving model and optimizer as they were.
@@ -34,7 +36,6 @@ itself (``watch.enabled`` becomes False), leaving model and optimizer as they we
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -43,25 +44,21 @@ from typing import Any, Callable
 
 import torch
 
-from sentineld.contracts.records import record_to_json
-from sentineld.contracts.rng import capture_rng
-from sentineld.contracts.rundir import RunDir, default_runs_dir, valid_run_id
-from sentineld.contracts.snapshot import state_of
-from sentineld.contracts.triggers import CRASH, MANUAL, NONFINITE
+from sentineld.contracts.rundir import RunDir, default_runs_dir
+from sentineld.contracts.triggers import CRASH, MANUAL
 
 from .agent_config import AgentConfig
 from .capturer import CaptureWriter
-from .diskring import DiskRingWriter
 from .exits import EXITS
-from .exporter import Latest, start_exporter
-from .incidents import IncidentPolicy
+from .exporter import Latest
 from .localize_live import make_localizer
+from .memory import memory_bound
 from .peers import peer_incidents
-from .readback import Readback, grad_norm
-from .ring import Ring, RingEntry, Snapshot, to_host, tree_nbytes
+from .recorder import StepRecorder
+from .ring import Ring
 from .runfiles import open_run_files
-from .runinfo import default_run_id, dist_rank, job_attempt, unwrap
-from .snapshots import SnapshotSchedule
+from .runinfo import dist_rank, unwrap
+from .wiring import check_args, run_extra, start_disk_ring, start_metrics
 
 __all__ = ["Watch"]
 
@@ -77,6 +74,7 @@ class Watch:
         enabled: False once the agent disabled itself after an internal error.
         captures: paths of captures written so far.
         snapshot_every: current snapshot cadence in steps (chosen in auto mode after warm-up).
+        memory: upper bound of the ring's host memory (:class:`~.memory.MemoryBound`).
     """
 
     def __init__(
@@ -99,83 +97,47 @@ class Watch:
         clock: Callable[[], float] = time.perf_counter,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        run_id = _check_args(model, optimizer, run_id, recipe, recipe_args)
-        self.config = config or AgentConfig()
+        run_id = check_args(model, optimizer, run_id, recipe, recipe_args)
+        cfg = self.config = config or AgentConfig()
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         # DDP/FSDP-style wrappers hold the real model in .module: snapshots and parameter names
         # use it, so the replay's plain model loads them without a "module." prefix.
         self._inner = unwrap(model)
         self.rank, world, local_rank = dist_rank()
-        self._clock, self._wall = clock, wall_clock
         self._accumulating = accumulation_steps > 1
-        self._live = make_localizer(localize, self._inner, optimizer, loss_fn, recipe, self.config.window,
+        self._live = make_localizer(localize, self._inner, optimizer, loss_fn, recipe, cfg.window,
                                     run_id, scheduler=scheduler, scaler=scaler, num_classes=num_classes,
                                     accumulation_steps=accumulation_steps, clip_grad_norm=clip_grad_norm,
-                                    max_bytes=self.config.ring_bytes)
+                                    max_bytes=cfg.ring_bytes)
         files = open_run_files(Path(runs_dir or default_runs_dir()), run_id, self.rank, world,
                                recipe=recipe, recipe_args=dict(recipe_args or {}),
-                               num_classes=num_classes, flush_s=self.config.flush_s,
-                               wall_clock=wall_clock, extra=self._run_extra(localize))
+                               num_classes=num_classes, flush_s=cfg.flush_s,
+                               wall_clock=wall_clock, extra=run_extra(self._live, localize, self._inner))
         self.run_id, self.run_dir, self.stream, self.enabled = files.run_id, files.run_dir, files.stream, files.ok
         if self._live is not None:
             self._live.run_id = self.run_id
-        self.latest = Latest()
-        self._server, self.metrics_port = self._start_exporter(local_rank)
-        self._ring = Ring(self.config.window, self.config.ring_bytes)
+        self.memory = memory_bound(self._inner, optimizer, cfg, bool(self._live and self._live.forward_only))
+        self.latest = Latest(ring_bound_bytes=self.memory.total)
+        self._server, self.metrics_port = start_metrics(cfg, self.latest, self.run_id, self.rank,
+                                                        local_rank, self.enabled)
         self._closed = False
         # Imported now, not at the first capture: the exit paths (atexit, excepthook) write
         # captures, and a first `import h5py` from an atexit handler segfaults (h5py 3.16).
         import h5py  # noqa: F401, PLC0415
         for stale in RunDir(self.run_dir).unfinished_captures(self.rank):
             stale.unlink(missing_ok=True)  # a capture a killed process of this rank never finished
-        self._disk = self._start_disk_ring()
+        disk = start_disk_ring(cfg, self.run_dir, self.rank, self.run_id, self.stream)
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._writer = CaptureWriter(self.run_dir, self.run_id, self.rank, self._device, self.stream,
                                      self.latest, localizer=self._live)
-        self._schedule = SnapshotSchedule(self.config)
-        self._incidents = IncidentPolicy(self.config.rearm_steps, self.config.post_steps)
-        self._readback = Readback()
-        self._n = 0
-        self._t_last = clock()
-        self._step_started = False
-        self._rng: dict[str, Any] | None = None
-        self._grads_carried: bool | None = None
-        self._probe_checked = False
-        self._gnorm: torch.Tensor | None = None
-        self._pre_hook_ran = False
-        self._peers = peer_incidents(self.run_id, self.rank, world) if self.enabled else None
         self._install_hooks()
+        self._rec = StepRecorder(self._inner, optimizer, scheduler, scaler, config=cfg, stream=self.stream,
+                                 latest=self.latest, writer=self._writer, disk=disk, live=self._live,
+                                 probes=self._probes, rank=self.rank, device=self._device,
+                                 clock=clock, wall_clock=wall_clock,
+                                 peers=peer_incidents(self.run_id, self.rank, world) if self.enabled else None)
+        log.info("sentineld: run %s rank %d: %s", self.run_id, self.rank, self.memory.describe())
         EXITS.register(self)
-
-    def _run_extra(self, localize: str) -> dict[str, Any]:
-        """run.json's in-process localization fields (read by the daemon and the forward-only replay)."""
-        live = self._live
-        return {"localize": localize if live else "off",
-                "localize_memory_bytes": live.memory_bytes if live else 0,
-                "model_class": f"{type(self._inner).__module__}:{type(self._inner).__qualname__}"}
-
-    def _start_exporter(self, local_rank: int) -> tuple[Any, int | None]:
-        if self.config.metrics_port == 0 or not self.enabled:
-            return None, None
-        port = self.config.metrics_port + (local_rank if self.config.metrics_port > 0 else 0)
-        try:
-            return start_exporter(self.latest, self.run_id, self.rank, port, self.config.metrics_addr)
-        except OSError as exc:
-            log.warning("sentineld: metrics export off: %s", exc)
-            return None, None
-
-    def _start_disk_ring(self) -> DiskRingWriter | None:
-        if not self.config.disk_ring:
-            return None
-        try:
-            return DiskRingWriter(
-                self.run_dir, self.rank, self.config.window,
-                meta={"run_id": self.run_id, "torch_version": str(torch.__version__)},
-                on_warning=lambda text: self.stream.put(
-                    {"kind": "agent_warning", "message": text}, urgent=True))
-        except OSError as exc:
-            log.warning("sentineld: on-disk ring off: %s", exc)
-            return None
 
     def _install_hooks(self) -> None:
         model, optimizer = self.model, self.optimizer
@@ -204,7 +166,11 @@ class Watch:
     @property
     def snapshot_every(self) -> int:
         """Current snapshot cadence in steps."""
-        return self._schedule.every
+        return self._rec.schedule.every
+
+    @property
+    def _ring(self) -> Ring:
+        return self._rec.ring
 
     # ----------------------------------------------------------------- hooks
     def _on_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
@@ -222,32 +188,22 @@ class Watch:
         self._begin(None, None)
 
     def _begin(self, args: Any, kwargs: Any) -> None:
-        if not self.enabled or self._step_started:
+        if not self.enabled:
             return
         try:
-            self._step_started = True
-            # A step begun by a framework has no forward arguments to keep for forward-only
-            # localization; that step's forward call is then simply not recorded.
-            if self._live is not None and (args is not None or not self._live.forward_only):
-                self._live.on_forward(self._n, args or (), kwargs or {}, self._schedule.due)
-            if self._schedule.due:
-                self._take_snapshot(self._n)
-            self._rng = capture_rng()
-            self._grads_carried = None
-            self._probe_checked = False
-            if self._probes is not None:
-                self._probes.begin_step(self._n)
+            self._rec.begin(args, kwargs)
         except Exception as exc:  # noqa: BLE001 - the agent must never break training
             self._disable(exc)
 
     def _on_probe_grad(self, grad: torch.Tensor) -> None:
-        if not self.enabled or self._probe_checked:
+        rec = self._rec
+        if not self.enabled or rec.probe_checked:
             return
         try:
-            self._probe_checked = True
+            rec.probe_checked = True
             p = self._probe_param
             if p is not None and p.device.type == "cpu":  # on CUDA .any() would sync: unknown
-                self._grads_carried = p.grad is not None and bool(p.grad.any())
+                rec.grads_carried = p.grad is not None and bool(p.grad.any())
         except Exception as exc:  # noqa: BLE001
             self._disable(exc)
 
@@ -265,8 +221,7 @@ class Watch:
         if not self.enabled:
             return
         try:
-            self._gnorm = grad_norm(self.optimizer)
-            self._pre_hook_ran = True
+            self._rec.grads_ready()
         except Exception as exc:  # noqa: BLE001
             self._disable(exc)
 
@@ -281,9 +236,9 @@ class Watch:
         """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        if self._step_started or self._ring.entries:  # a snapshot or record already numbered
+        if self._rec.step_started or self._rec.ring.entries:  # a snapshot or record already numbered
             raise ValueError("start_at() must be called before the first step starts")
-        self._n = int(step)
+        self._rec.n = int(step)
 
     # ------------------------------------------------------------------ step
     def step(self, loss: torch.Tensor | float, batch: Any = None) -> None:
@@ -302,134 +257,18 @@ class Watch:
                 self._remove_hooks()
             return
         try:
-            self._record(loss, batch)
+            self._rec.record(loss, batch)
         except Exception as exc:  # noqa: BLE001
             self._disable(exc)
             self._remove_hooks()
 
-    def _record(self, loss: torch.Tensor | float, batch: Any) -> None:
-        n = self._n
-        now = self._clock()
-        step_s, self._t_last = now - self._t_last, now
-        self._schedule.step_time(step_s)
-        gnorm = self._gnorm if self._pre_hook_ran else grad_norm(self.optimizer)
-        skipped = not self._pre_hook_ran
-        forward_seen = self._step_started
-        self._gnorm, self._pre_hook_ran, self._step_started = None, False, False
-        loss_t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
-        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
-        scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
-        values: list[torch.Tensor | None] = [loss_t.float().reshape(()), gnorm,
-                                             lr if isinstance(lr, torch.Tensor) else None, scale]
-        host_batch = to_host(batch)
-        entry = RingEntry(step=n, batch=host_batch, rng=self._rng, record=None,
-                          nbytes=tree_nbytes(host_batch))
-        self._rng = None
-        self._ring.add_step(entry)
-        layers = self._probes.collect() if self._probes is not None else None
-        if layers:
-            self.latest.layers = dict(layers)
-        fields = {"step": n, "step_s": step_s, "time_s": self._wall(), "optimizer_skipped": skipped,
-                  "layers": layers or None,
-                  "rank": self.rank, "grads_carried": self._grads_carried,
-                  "lr": float(lr) if lr is not None and not isinstance(lr, torch.Tensor) else None}
-        event = self._readback.push(n, values, fields, entry)
-        self._n += 1
-        self._after_step(entry, event, forward_seen)
-
-    def _after_step(self, entry: RingEntry, event: Any, forward_seen: bool) -> None:
-        self._resolve_ready()
-        if self._disk is not None:
-            self._disk.add_step(entry, event)
-        if self._incidents.due(self._n - 1):
-            self._flush_incident()
-        if self._peers is not None and self._peers.requests:
-            self._peer_captures()
-        if self._n % 16 == 1:  # cadence drifts slowly; re-derive it now and then, not per step
-            self._schedule.tune(self._ring.entries[-1].nbytes if self._ring.entries else 0)
-        self._schedule.step_done(self._incidents.latched)
-        if not forward_seen:
-            # A loop that never calls model(...) itself (Lightning's training_step, a method of
-            # the model): the end of this step is the start of the next one.
-            if self._schedule.due:
-                self._take_snapshot(self._n)
-            self._rng = capture_rng()
-
-    def _resolve_ready(self) -> None:
-        for record, entry, step in self._readback.ready():
-            obj = record_to_json(record)
-            entry.record = obj
-            lt = self.latest
-            lt.record = record
-            lt.steps_total += 1
-            lt.skipped_total += int(record.optimizer_skipped)
-            bad, opened = self._incidents.observe(record)
-            lt.nonfinite_total += int(bad)
-            self.stream.put(obj, urgent=bad)
-            if opened is not None and step == self._n - 1:
-                opened.grads = self._grads_now()
-            if opened is not None and self._peers is not None:
-                self._peers.publish(opened.step)  # other ranks capture this step too
-
-    def _grads_now(self) -> dict[str, torch.Tensor]:
-        names = {id(p): n for n, p in self._inner.named_parameters()}
-        return {names.get(id(p), f"param{i}"): p.grad.detach().to("cpu", copy=True)
-                for i, p in enumerate(q for g in self.optimizer.param_groups for q in g["params"])
-                if p.grad is not None}
-
-    # ------------------------------------------------------------- snapshots
-    def _take_snapshot(self, step: int) -> None:
-        t0 = self._clock()
-        # Gradients are part of the state only in a loop that does not zero them before the
-        # forward (no zero_grad, or accumulation across steps): then the next step adds to them.
-        grads = {n: p.grad for n, p in self._inner.named_parameters() if p.grad is not None}
-        host = to_host(state_of(self._inner, self.optimizer, self.scheduler, self.scaler, grads))
-        event = None
-        if self._device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        snap = Snapshot(step=step, state=host, event=event, nbytes=tree_nbytes(host))
-        self._ring.add_snapshot(snap)
-        if self._disk is not None:
-            self._disk.add_snapshot(snap)
-        self._schedule.taken(self._clock() - t0)
-
-    # -------------------------------------------------------------- captures
-    def _flush_incident(self) -> None:
-        inc = self._incidents.take()
-        if inc is None:
-            return
-        last = self._ring.entries[-1].step if self._ring.entries else inc.step
-        self._capture(inc.trigger, inc.step, inc.grads, inc.message, last=max(inc.step, last))
-
-    def _capture(self, trigger: str, step: int, grads: dict[str, torch.Tensor] | None,
-                 message: str, last: int | None = None) -> None:
-        end = step if last is None else last
-        # A snapshot taken at step N holds the state step N-1 made: when N-1's optimizer step
-        # broke the parameters (seen only in N's loss) it is already corrupt, so prefer the one before.
-        span = (self._ring.span(end, before=step - 1) if step > 0 else None) or self._ring.span(end, before=step)
-        if span is None:
-            log.warning("sentineld: step %d is not in the ring buffer (window %d); no capture",
-                        step, self.config.window)
-            self.stream.put({"kind": "agent_warning", "step": step,
-                             "message": "no clean snapshot in the ring; capture skipped"}, urgent=True)
-            return
-        snap, entries = span
-        self._writer.start(trigger, step, snap, entries, grads, message)
-
-    def _peer_captures(self) -> None:
-        """Capture the steps where another rank opened an incident (agent/peers.py)."""
-        for step, rank in self._peers.take() if self._peers is not None else []:
-            last = self._ring.entries[-1].step if self._ring.entries else step
-            self._capture(NONFINITE, step, None, f"rank {rank} went non-finite at step {step}: this rank's "
-                          "capture of the step, for the DDP replay", last=max(step, last))
-
     def capture_now(self, trigger: str = MANUAL, message: str = "") -> None:
         """Write the ring buffer as a capture ending at the newest step (e.g. before a risky change)."""
-        if not self.enabled or not self._ring.entries:
+        rec = self._rec
+        if not self.enabled or not rec.ring.entries:
             return
-        self._flush_incident()
-        self._capture(trigger, self._ring.entries[-1].step, None, message)
+        rec.flush_incident()
+        rec.capture(trigger, rec.ring.entries[-1].step, None, message)
 
     # -------------------------------------------------------------- lifetime
     def _disable(self, exc: BaseException) -> None:
@@ -453,6 +292,7 @@ class Watch:
         if probes is not None:
             probes.remove()
             self._probes = None
+            self._rec.probes = None
 
     def close(self, reason: str = "finished", timeout_s: float = 120.0) -> None:
         """Detach hooks, finish pending records and captures, stop the exporter and the stream.
@@ -470,25 +310,26 @@ class Watch:
         self._closed = True
         EXITS.unregister(self)
         self._remove_hooks()
+        rec = self._rec
         if self.enabled:
             try:
-                self._readback.wait_all()
-                self._resolve_ready()
-                self._flush_incident()
-                if self._peers is not None:
-                    self._peers.close()
-                    self._peer_captures()
+                rec.readback.wait_all()
+                rec.resolve_ready()
+                rec.flush_incident()
+                if rec.peers is not None:  # a peer's incident announced at its close is still captured
+                    rec.peers.close()
+                    rec.peer_captures()
             except Exception as exc:  # noqa: BLE001
                 self._disable(exc)
-        if self._peers is not None:
-            self._peers.stop()
+        if rec.peers is not None:
+            rec.peers.stop()
         deadline = time.monotonic() + timeout_s
         self._writer.join(deadline)
-        if self._disk is not None:
-            self._disk.close(remove=reason == "finished" or self._writer.crash_captured,
-                             timeout_s=max(0.0, deadline - time.monotonic()))
-            self._disk = None
-        self.stream.put({"kind": "end", "reason": reason, "steps": self._n, "time_s": self._wall()})
+        if rec.disk is not None:
+            rec.disk.close(remove=reason == "finished" or self._writer.crash_captured,
+                           timeout_s=max(0.0, deadline - time.monotonic()))
+            rec.disk = None
+        self.stream.put({"kind": "end", "reason": reason, "steps": rec.n, "time_s": rec.wall()})
         self.stream.close()
         if self._server is not None:
             self._server.shutdown()
@@ -514,22 +355,3 @@ class Watch:
             except Exception as err:  # noqa: BLE001
                 log.warning("sentineld: crash capture failed: %r", err)
         self.close(reason, timeout_s=timeout_s)
-
-
-def _check_args(model: Any, optimizer: Any, run_id: str | None, recipe: str | None,
-                recipe_args: dict[str, Any] | None) -> str:
-    """The run id to use; raises TypeError/ValueError naming a bad argument."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    run_id = job_attempt(run_id or default_run_id())
-    if not valid_run_id(run_id):
-        raise ValueError(f"run_id {run_id!r} must be 1-128 letters, digits, '.', '_' or '-'")
-    if recipe is not None and ":" not in recipe:
-        raise ValueError(f"recipe must be 'module:function', got {recipe!r}")
-    try:
-        json.dumps(dict(recipe_args or {}), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"recipe_args must be JSON values (str, numbers, bools, lists, dicts): {exc}") from None
-    return run_id

@@ -55,7 +55,7 @@ def measure(name: str, build: Callable[[], Any], blocks: int, block: int) -> dic
     for k in models:  # warm-up
         run_block(models[k], opts[k], batches, watches[k])
     ring = next((runs / f"disk-{name}").glob("ring-*"))
-    writer = watches["disk"]._disk
+    writer = watches["disk"]._rec.disk
     written0 = writer.written
     wall = {"ram": [], "disk": []}
     cpu = {"ram": [], "disk": []}

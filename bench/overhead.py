@@ -1,23 +1,30 @@
-"""Agent overhead: median step time with the agent attached vs a bare loop, same process, same data.
+"""Agent overhead: step time of the watched loop vs a bare loop, same process, same data.
 
-Method: two identical models (same init), one watched by the agent at default settings, one bare.
-Blocks of ``--block`` steps alternate between them (bare first in even blocks, agent first in odd
-ones) so drift in machine speed (+-10% minute to minute here) hits both alike. Per block we take
-the median step wall time and the process CPU time per step; the figure is the median over blocks
-of the per-block ratio agent/bare, with the 10th-90th percentile of those ratios, which resolves a
-2% difference once there are ~30 blocks.
+Method: identical models (same init), one per variant: ``bare``; ``gradnorm`` (the loop computes
+the fused global grad norm itself, on device, never read: the floor a NaN check cannot avoid);
+``sentineld`` (the agent at its defaults: ring, snapshots, probes, stream, metrics all on);
+``disk_ring`` (the same with ``disk_ring=True``); ``anomaly`` (``torch.autograd.detect_anomaly``);
+on request ``no_probes`` (the agent with ``layer_every=0``: what the sampled layer probes cost).
+Blocks of ``--block`` steps run the variants in turn, the order rotated every block so drift in
+machine speed (+-10% minute to minute on this shared VM) hits all alike. Per block we take each
+variant's median step wall time and its process CPU time per step; the figure is the median over
+blocks of the per-block ratio variant/bare, with the 10th-90th percentile of those ratios (the
+spread), which resolves a 2% difference once there are ~30 blocks.
 
-Models: an MLP whose step takes ~8 ms here, and a small transformer whose step takes tens of ms.
-Run: ``python bench/overhead.py [--blocks 30] [--block 20]``.
+Models: an MLP whose step takes a few ms here, a small CNN with batch norm, a small transformer.
+Run: ``python bench/overhead.py [--blocks 30] [--block 20] [--models mlp,cnn,transformer]
+[--variants bare,gradnorm,sentineld,disk_ring,anomaly]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import tempfile
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -30,6 +37,18 @@ def mlp() -> tuple[nn.Module, Callable[[torch.Generator], tuple[torch.Tensor, to
 
     def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(64, 512, generator=g), torch.randint(0, 10, (64,), generator=g)
+
+    return model, batch
+
+
+def cnn() -> tuple[nn.Module, Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]]:
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 8 * 8, 128), nn.ReLU(), nn.Linear(128, 10))
+
+    def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
 
     return model, batch
 
@@ -67,7 +86,8 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def run_block(model: nn.Module, opt: torch.optim.Optimizer, batches: list[Any], watch: Any) -> tuple[float, float]:
-    """Median wall seconds per step and mean CPU seconds per step over ``batches``."""
+    """Median wall seconds per step and mean CPU seconds per step over ``batches`` (used by
+    bench/disk_ring_cost.py)."""
     times = []
     c0 = time.process_time()
     for x, y in batches:
@@ -82,56 +102,101 @@ def run_block(model: nn.Module, opt: torch.optim.Optimizer, batches: list[Any], 
     return statistics.median(times), (time.process_time() - c0) / len(batches)
 
 
-def measure(name: str, build: Callable[[], Any], blocks: int, block: int) -> dict[str, float]:
-    from sentineld.agent import attach
+class Variant:
+    """One loop under test: its own model copy and optimizer, and what it adds to each step."""
 
+    def __init__(self, label: str, model: nn.Module, runs_dir: str) -> None:
+        from sentineld.agent import attach
+        from sentineld.agent.readback import grad_norm
+
+        self.label, self.model = label, model
+        self.opt = torch.optim.Adam(model.parameters(), 1e-4)
+        self.watch = None
+        self.norm: Callable[[], Any] | None = None
+        if label in ("sentineld", "disk_ring", "no_probes"):
+            self.watch = attach(model, self.opt, run_id=f"bench-{label}", runs_dir=runs_dir,
+                                metrics_port=-1, disk_ring=label == "disk_ring",
+                                layer_every=0 if label == "no_probes" else 50)
+        elif label == "gradnorm":
+            self.norm = lambda: grad_norm(self.opt)
+        self.anomaly = label == "anomaly"
+
+    def block(self, batches: list[Any]) -> tuple[float, float]:
+        """Median wall seconds per step and mean CPU seconds per step over ``batches``."""
+        model, opt, watch = self.model, self.opt, self.watch
+        times = []
+        c0 = time.process_time()
+        for x, y in batches:
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            with torch.autograd.detect_anomaly(check_nan=True) if self.anomaly else contextlib.nullcontext():
+                loss = loss_of(model, x, y)
+                loss.backward()
+            if self.norm is not None:
+                self.norm()
+            opt.step()
+            if watch is not None:
+                watch.step(loss, batch=(x, y))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times), (time.process_time() - c0) / len(batches)
+
+
+def measure(name: str, build: Callable[[], Any], labels: list[str], blocks: int, block: int) -> dict[str, Any]:
+    """Per variant: median and 10th/90th percentile of per-block wall ratios to bare, CPU ratio."""
     torch.manual_seed(0)
-    bare, make_batch = build()
-    watched = copy.deepcopy(bare)
-    opt_b = torch.optim.Adam(bare.parameters(), 1e-4)
-    opt_w = torch.optim.Adam(watched.parameters(), 1e-4)
+    base, make_batch = build()
     runs = tempfile.mkdtemp(prefix="sentineld-bench-")
-    watch = attach(watched, opt_w, run_id=f"bench-{name}", runs_dir=runs, metrics_port=-1)
+    variants = [Variant(lab, copy.deepcopy(base), runs) for lab in ["bare", *labels]]
     g = torch.Generator().manual_seed(0)
     batches = [make_batch(g) for _ in range(block)]
-    run_block(bare, opt_b, batches, None)  # warm-up both
-    run_block(watched, opt_w, batches, watch)
-    ratios, cpu_ratios, bare_s = [], [], []
+    for v in variants:  # warm-up
+        v.block(batches)
+    wall: dict[str, list[float]] = {v.label: [] for v in variants}
+    cpu: dict[str, list[float]] = {v.label: [] for v in variants}
+    bare_s = []
     for i in range(blocks):
-        order = [("bare", bare, opt_b, None), ("agent", watched, opt_w, watch)]
-        if i % 2:
-            order.reverse()
-        res = {}
-        for label, m, o, w in order:
-            res[label] = run_block(m, o, batches, w)
-        ratios.append(res["agent"][0] / res["bare"][0])
-        cpu_ratios.append(res["agent"][1] / res["bare"][1])
+        k = i % len(variants)
+        res = {v.label: v.block(batches) for v in variants[k:] + variants[:k]}
+        for lab, (w, c) in res.items():
+            wall[lab].append(w / res["bare"][0])
+            cpu[lab].append(c / res["bare"][1])
         bare_s.append(res["bare"][0])
-    watch.close()
-    q = statistics.quantiles(ratios, n=10)
-    nparams = sum(p.numel() for p in bare.parameters())
-    return {"model": name, "params": nparams, "bare_step_ms": 1e3 * statistics.median(bare_s),
-            "wall_ratio": statistics.median(ratios), "p10": q[0], "p90": q[-1],
-            "cpu_ratio": statistics.median(cpu_ratios), "snapshot_every": watch.snapshot_every}
+    out: dict[str, Any] = {"model": name, "params": sum(p.numel() for p in base.parameters()),
+                           "bare_step_ms": 1e3 * statistics.median(bare_s), "ratios": {}}
+    for v in variants[1:]:
+        q = statistics.quantiles(wall[v.label], n=10)
+        out["ratios"][v.label] = (statistics.median(wall[v.label]), q[0], q[-1],
+                                  statistics.median(cpu[v.label]))
+        if v.watch is not None:
+            out.setdefault("snapshot_every", {})[v.label] = v.watch.snapshot_every
+            v.watch.close()
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=30)
     ap.add_argument("--block", type=int, default=20)
-    ap.add_argument("--models", default="mlp,transformer")
+    ap.add_argument("--models", default="mlp,cnn,transformer")
+    ap.add_argument("--variants", default="gradnorm,sentineld,disk_ring,anomaly")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads; 1 by default: on this shared 2-core VM a second intra-op "
                          "thread that gets descheduled stalls every op (our measurement)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    builders = {"mlp": mlp, "transformer": transformer}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, blocks={args.blocks} x {args.block} steps")
-    print(f"{'model':<12}{'params':>10}{'bare ms':>9}{'wall x':>8}{'p10':>7}{'p90':>7}{'cpu x':>8}{'K':>5}")
+    warnings.filterwarnings("ignore")
+    builders = {"mlp": mlp, "cnn": cnn, "transformer": transformer}
+    labels = [v for v in args.variants.split(",") if v and v != "bare"]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, blocks={args.blocks} x "
+          f"{args.block} steps; wall x = median per-block ratio to bare [p10, p90]; cpu x = CPU time ratio")
+    print("| model (bare step) | " + " | ".join(labels) + " |")
+    print("|---|" + "---|" * len(labels))
     for name in args.models.split(","):
-        r = measure(name, builders[name], args.blocks, args.block)
-        print(f"{r['model']:<12}{r['params']:>10}{r['bare_step_ms']:>9.2f}{r['wall_ratio']:>8.3f}"
-              f"{r['p10']:>7.3f}{r['p90']:>7.3f}{r['cpu_ratio']:>8.3f}{r['snapshot_every']:>5}")
+        r = measure(name, builders[name], labels, args.blocks, args.block)
+        cells = [f"{w:.3f}x [{lo:.2f}, {hi:.2f}] cpu {c:.3f}x" for w, lo, hi, c in
+                 (r["ratios"][lab] for lab in labels)]
+        print(f"| {name} {r['params'] / 1e6:.2f}M ({r['bare_step_ms']:.2f} ms) | " + " | ".join(cells) + " |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -141,27 +141,67 @@ DECLARED_BYTES_PER_FILE_BYTE = 16
 MIN_DATASET_LIMIT_BYTES = 64 << 20
 
 
-def put_dataset(group: Any, name: str, data: Any) -> Any:
+class CrcPool:
+    """CRC-32 of big arrays on a second thread while HDF5 writes the next one (zlib's crc32
+    releases the GIL): the checksum then costs little wall time beyond the write itself.
+    :meth:`finish` waits and stores each ``crc32`` attribute, on the calling thread."""
+
+    #: Arrays smaller than this are checksummed inline (a thread hop costs more than their CRC).
+    MIN_BYTES = 1 << 20
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+        self._ex = ThreadPoolExecutor(1, thread_name_prefix="sentineld-crc")
+        self._pending: list[tuple[Any, Any]] = []
+
+    def add(self, ds: Any, view: Any) -> None:
+        """Checksum ``view`` (kept alive until :meth:`finish`) into ``ds.attrs["crc32"]``."""
+        self._pending.append((ds, self._ex.submit(zlib.crc32, view)))
+
+    def finish(self) -> None:
+        """Store every pending checksum; then the pool is closed."""
+        try:
+            for ds, fut in self._pending:
+                ds.attrs["crc32"] = fut.result()
+        finally:
+            self._pending.clear()
+            self._ex.shutdown(wait=True)
+
+
+def put_dataset(group: Any, name: str, data: Any, crc: CrcPool | None = None) -> Any:
     """Create dataset ``name`` in ``group`` with a checksum, the one way capture data is written.
 
-    Arrays of one or more dimensions get HDF5's fletcher32 filter (checked by HDF5 on every read);
-    scalars and strings (the JSON trees, records) a ``crc32`` attribute checked by
-    :func:`read_dataset`. A flipped bit is then reported as corruption, not replayed as data.
+    Every dataset gets a ``crc32`` attribute (zlib's CRC-32 of its bytes), checked by
+    :func:`read_dataset`: a flipped bit is then reported as corruption, not replayed as data.
+    Arrays are stored contiguous and unfiltered: the HDF5 fletcher32 filter this replaced needs
+    chunked storage and cost about twice a plain write (bench/capture_write.py); a capture
+    written with it still reads (HDF5 checks its filter on read). With ``crc``, a big array's
+    checksum is computed on the pool's thread and stored at ``crc.finish()``.
     """
     arr = np.asarray(data) if not isinstance(data, (str, bytes)) else None
     if arr is not None and arr.ndim >= 1 and arr.size > 0 and arr.dtype.kind in "biufc":
-        return group.create_dataset(name, data=arr, fletcher32=True)
+        arr = np.ascontiguousarray(arr)
+        ds = group.create_dataset(name, data=arr)
+        view = arr.view(np.uint8).reshape(-1).data  # a memoryview: no copy
+        if crc is not None and arr.nbytes >= CrcPool.MIN_BYTES:
+            crc.add(ds, view)
+        else:
+            ds.attrs["crc32"] = zlib.crc32(view)
+        return ds
     ds = group.create_dataset(name, data=data)
     ds.attrs["crc32"] = zlib.crc32(_raw(ds[()]))
     return ds
 
 
-def _raw(val: Any) -> bytes:
+def _raw(val: Any) -> Any:
+    """The bytes a checksum covers: a bytes-like view, no copy for arrays."""
     if isinstance(val, bytes):
         return val
     if isinstance(val, str):
         return val.encode()
-    return np.ascontiguousarray(val).tobytes()
+    arr = np.ascontiguousarray(val)
+    return arr.view(np.uint8).reshape(-1).data if arr.ndim else arr.tobytes()
 
 
 def read_dataset(ds: Any) -> Any:
@@ -184,7 +224,7 @@ def read_dataset(ds: Any) -> Any:
     return val
 
 
-def _write_tree(group: Any, tree: Any) -> None:
+def _write_tree(group: Any, tree: Any, crc: CrcPool | None = None) -> None:
     if isinstance(tree, EncodedTree):
         put_dataset(group, "tree", json.dumps(tree.tree))
         pairs: Iterable[tuple[np.ndarray, str]] = tree.tensors
@@ -193,7 +233,7 @@ def _write_tree(group: Any, tree: Any) -> None:
         put_dataset(group, "tree", json.dumps(encode(tree, tensors)))
         pairs = (tensor_to_numpy(t) for t in tensors)
     for i, (arr, dtype) in enumerate(pairs):
-        ds = put_dataset(group, str(i), arr)
+        ds = put_dataset(group, str(i), arr, crc)
         ds.attrs["torch_dtype"] = dtype
 
 
@@ -214,9 +254,9 @@ def write_step(group: Any, st: CaptureStep | EncodedStep) -> None:
         put_dataset(rg, name, arr)
 
 
-def write_snapshot(group: Any, snapshot: Mapping[str, Any] | EncodedTree) -> None:
-    """Write a state snapshot into an HDF5 group (layout of ``/snapshot``)."""
-    _write_tree(group, snapshot if isinstance(snapshot, EncodedTree) else dict(snapshot))
+def write_snapshot(group: Any, snapshot: Mapping[str, Any] | EncodedTree, crc: CrcPool | None = None) -> None:
+    """Write a state snapshot into an HDF5 group (layout of ``/snapshot``); ``crc``: see put_dataset."""
+    _write_tree(group, snapshot if isinstance(snapshot, EncodedTree) else dict(snapshot), crc)
 
 
 def _read_tree(group: Any) -> Any:
@@ -291,7 +331,11 @@ def write_capture(
             first_step=first_step, snapshot_step=snapshot_step, created_s=time.time(), message=message,
             torch_version=str(_torch().__version__) if torch_version is None else torch_version,
         )
-        write_snapshot(f.create_group("snapshot"), snapshot)
+        crc = CrcPool()
+        try:
+            write_snapshot(f.create_group("snapshot"), snapshot, crc)
+        finally:
+            crc.finish()
         sg = f.create_group("steps")
         for st in steps:
             write_step(sg.create_group(str(st.step)), st)

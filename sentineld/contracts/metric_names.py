@@ -23,6 +23,7 @@ NONFINITE_STEPS_TOTAL = "sentineld_nonfinite_steps_total"
 OPTIMIZER_SKIPPED_TOTAL = "sentineld_optimizer_skipped_steps_total"
 CAPTURES_TOTAL = "sentineld_captures_total"
 AGENT_ENABLED = "sentineld_agent_enabled"
+RING_MEMORY_BOUND = "sentineld_agent_ring_memory_bound_bytes"
 LAYER_GRAD_NORM = "sentineld_layer_grad_norm"
 LAYER_UPDATE_RATIO = "sentineld_layer_update_ratio"
 LAYER_DEAD_RATIO = "sentineld_layer_dead_ratio"
@@ -54,6 +55,8 @@ AGENT = {
     OPTIMIZER_SKIPPED_TOTAL: "counter: steps GradScaler skipped",
     CAPTURES_TOTAL: "counter: capture files written",
     AGENT_ENABLED: "gauge: 1 while the agent records, 0 once it disabled itself",
+    RING_MEMORY_BOUND: "gauge: upper bound of the ring's host memory (batches <= ring_bytes, "
+    "forward args <= ring_bytes, 2 snapshots), bytes, stated at attach (agent/memory.py)",
 }
 
 #: Sampled per-layer series exported by the agent (labels: run, rank, host, module).

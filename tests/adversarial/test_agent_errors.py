@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sentineld.agent import Watch, attach
-from sentineld.agent import watch as watch_module
+from sentineld.agent import attach
+from sentineld.agent import recorder as recorder_module
+from sentineld.agent.recorder import StepRecorder
 
 from .conftest import stream
 
@@ -28,7 +29,7 @@ def _loop(m, opt, w, steps=4, dtype=torch.float32):
     return losses
 
 
-@pytest.mark.parametrize("where", ["grad_norm", "_take_snapshot", "_record"])
+@pytest.mark.parametrize("where", ["grad_norm", "take_snapshot", "record"])
 def test_internal_error_in_any_hook_never_raises_into_the_loop(tmp_path, monkeypatch, caplog, where):
     """Whatever agent code fails (optimizer step pre-hook, forward pre-hook, watch.step), training
     goes on with the same losses, the error is logged once and ``enabled`` becomes False.
@@ -56,8 +57,9 @@ def test_internal_error_in_any_hook_never_raises_into_the_loop(tmp_path, monkeyp
     torch.manual_seed(0)
     m = nn.Linear(4, 2)
     opt = torch.optim.SGD(m.parameters(), 0.1)
-    # grad_norm is the readback function the optimizer step pre-hook calls (agent/readback.py).
-    monkeypatch.setattr(watch_module if where == "grad_norm" else Watch, where, boom)
+    # grad_norm is the readback function the optimizer step pre-hook calls (agent/readback.py);
+    # take_snapshot runs in the forward pre-hook, record in watch.step (agent/recorder.py).
+    monkeypatch.setattr(recorder_module if where == "grad_norm" else StepRecorder, where, boom)
     w = attach(m, opt, run_id="boom", runs_dir=tmp_path, metrics_port=0)
     torch.manual_seed(1)
     try:

@@ -1,0 +1,238 @@
+"""The per-step path of the agent: :class:`StepRecorder` turns hook calls and ``watch.step`` into
+ring entries, records, snapshots and captures.
+
+Order within one step (plain loop):
+
+1. :meth:`StepRecorder.begin` at the first training forward: the localizer's forward-argument
+   copy, a due snapshot, the RNG states (:class:`~.rngread.RngReader`).
+2. :meth:`StepRecorder.grads_ready` at the optimizer step pre-hook: the fused global grad norm,
+   on device.
+3. :meth:`StepRecorder.record` at ``watch.step``: the batch copied to host once
+   (:class:`~.ring.HostCopies`), the ring entry, the device values queued for readback; then
+   records whose values landed are resolved (stream line, exporter, incident policy) and a due
+   capture is started.
+
+Methods raise on internal errors; the :class:`~.watch.Watch` front catches them and disables the
+agent. Costs of each part: ``bench/step_profile.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from sentineld.contracts.records import record_to_json
+from sentineld.contracts.snapshot import state_of
+from sentineld.contracts.stream import StreamWriter
+from sentineld.contracts.triggers import NONFINITE
+
+from .agent_config import AgentConfig
+from .capturer import CaptureWriter
+from .diskring import DiskRingWriter
+from .exporter import Latest
+from .incidents import IncidentPolicy
+from .localize_live import LiveLocalizer
+from .peers import PeerIncidents
+from .readback import Readback, grad_norm
+from .ring import HostCopies, Ring, RingEntry, Snapshot, to_host_sized
+from .rngread import RngReader
+from .snapshots import SnapshotSchedule
+
+__all__ = ["StepRecorder"]
+
+log = logging.getLogger("sentineld.agent")
+
+
+class StepRecorder:
+    """Per-step state of one watched model + optimizer.
+
+    Args:
+        model: the unwrapped model (snapshots and parameter names use it).
+        optimizer, scheduler, scaler: as given to ``attach``.
+        config: the agent's settings.
+        stream, latest: where records go (JSON-lines stream, Prometheus exporter).
+        writer: the capture writer; disk: the on-disk ring (None when off).
+        live: the in-process localizer (None when off); probes: per-layer probes (None when off).
+        rank: this process's rank; device: the model's device.
+        peers: the DDP incident exchange (:mod:`.peers`), or None outside a multi-rank job.
+        clock, wall_clock: monotonic seconds (step time) and Unix seconds (record time).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                 scaler: Any, *, config: AgentConfig, stream: StreamWriter, latest: Latest,
+                 writer: CaptureWriter, disk: DiskRingWriter | None, live: LiveLocalizer | None,
+                 probes: Any, rank: int, device: torch.device, clock: Callable[[], float],
+                 wall_clock: Callable[[], float], peers: PeerIncidents | None = None) -> None:
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.config, self.stream, self.latest, self.writer = config, stream, latest, writer
+        self.disk, self.live, self.probes, self.rank, self.device = disk, live, probes, rank, device
+        self._clock, self.wall = clock, wall_clock
+        self.peers = peers  # DDP: other ranks' incidents (agent/peers.py), None in one process
+        self.ring = Ring(config.window, config.ring_bytes)
+        self.schedule = SnapshotSchedule(config)
+        self.incidents = IncidentPolicy(config.rearm_steps, config.post_steps)
+        self.readback = Readback()
+        self.copies = HostCopies()
+        if live is not None:
+            live.copies = self.copies
+        self._rng_reader = RngReader()
+        self.n = 0
+        self._t_last = clock()
+        self.step_started = False
+        self._rng: dict[str, Any] | None = None
+        self.grads_carried: bool | None = None
+        self.probe_checked = False
+        self._gnorm: torch.Tensor | None = None
+        self._pre_hook_ran = False
+
+    # ------------------------------------------------------------- hook side
+    def begin(self, args: Any, kwargs: Any) -> None:
+        """The step starts (first training forward, or a framework's ``begin_step``)."""
+        if self.step_started:
+            return
+        self.step_started = True
+        live = self.live
+        # A step begun by a framework has no forward arguments to keep for forward-only
+        # localization; that step's forward call is then simply not recorded.
+        if live is not None and (args is not None or not live.forward_only):
+            live.on_forward(self.n, args or (), kwargs or {}, self.schedule.due)
+        if self.schedule.due:
+            self.take_snapshot(self.n)
+        self._rng = self._rng_reader.read()
+        self.grads_carried = None
+        self.probe_checked = False
+        if self.probes is not None:
+            self.probes.begin_step(self.n)
+
+    def grads_ready(self) -> None:
+        """The gradients are complete: take the global grad norm (on device, no sync)."""
+        self._gnorm = grad_norm(self.optimizer)
+        self._pre_hook_ran = True
+
+    # ------------------------------------------------------------------ step
+    def record(self, loss: torch.Tensor | float, batch: Any) -> None:
+        """Record one optimizer step (``watch.step``)."""
+        n = self.n
+        now = self._clock()
+        step_s, self._t_last = now - self._t_last, now
+        self.schedule.step_time(step_s)
+        skipped = not self._pre_hook_ran
+        gnorm = self._gnorm if self._pre_hook_ran else grad_norm(self.optimizer)
+        forward_seen = self.step_started
+        self._gnorm, self._pre_hook_ran, self.step_started = None, False, False
+        loss_t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+        groups = self.optimizer.param_groups
+        lr = groups[0].get("lr") if groups else None
+        scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
+        values: list[torch.Tensor | None] = [loss_t.float().reshape(()), gnorm,
+                                             lr if isinstance(lr, torch.Tensor) else None, scale]
+        host_batch, nbytes = self.copies.copy(batch)
+        self.copies.clear()
+        entry = RingEntry(step=n, batch=host_batch, rng=self._rng, record=None, nbytes=nbytes)
+        self._rng = None
+        self.ring.add_step(entry)
+        layers = self.probes.collect() if self.probes is not None else None
+        if layers:
+            self.latest.layers = dict(layers)
+        fields = {"step": n, "step_s": step_s, "time_s": self.wall(), "optimizer_skipped": skipped,
+                  "layers": layers or None,
+                  "rank": self.rank, "grads_carried": self.grads_carried,
+                  "lr": float(lr) if lr is not None and not isinstance(lr, torch.Tensor) else None}
+        event = self.readback.push(n, values, fields, entry)
+        self.n += 1
+        self._after(entry, event, forward_seen)
+
+    def _after(self, entry: RingEntry, event: Any, forward_seen: bool) -> None:
+        self.resolve_ready()
+        if self.disk is not None:
+            self.disk.add_step(entry, event)
+        if self.incidents.due(self.n - 1):
+            self.flush_incident()
+        if self.peers is not None and self.peers.requests:
+            self.peer_captures()
+        if self.n % 16 == 1:  # cadence drifts slowly; re-derive it now and then, not per step
+            self.schedule.tune(self.ring.entries[-1].nbytes if self.ring.entries else 0)
+        self.schedule.step_done(self.incidents.latched)
+        if not forward_seen:
+            # A loop that never calls model(...) itself (Lightning's training_step, a method of
+            # the model): the end of this step is the start of the next one.
+            if self.schedule.due:
+                self.take_snapshot(self.n)
+            self._rng = self._rng_reader.read()
+
+    def resolve_ready(self) -> None:
+        """Turn every step whose values landed into its record: stream, exporter, incidents."""
+        for record, entry, step in self.readback.ready():
+            obj = record_to_json(record)
+            entry.record = obj
+            lt = self.latest
+            lt.record = record
+            lt.steps_total += 1
+            lt.skipped_total += int(record.optimizer_skipped)
+            bad, opened = self.incidents.observe(record)
+            lt.nonfinite_total += int(bad)
+            self.stream.put(obj, urgent=bad)
+            if opened is not None and step == self.n - 1:
+                opened.grads = self._grads_now()
+            if opened is not None and self.peers is not None:
+                self.peers.publish(opened.step)  # other ranks capture this step too
+
+    def _grads_now(self) -> dict[str, torch.Tensor]:
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return {names.get(id(p), f"param{i}"): p.grad.detach().to("cpu", copy=True)
+                for i, p in enumerate(q for g in self.optimizer.param_groups for q in g["params"])
+                if p.grad is not None}
+
+    # ------------------------------------------------------------- snapshots
+    def take_snapshot(self, step: int) -> None:
+        """Copy model + optimizer (+ scheduler, scaler, carried grads) state to host as the state
+        before ``step``; async from CUDA, with an event the writers wait on."""
+        t0 = self._clock()
+        # Gradients are part of the state only in a loop that does not zero them before the
+        # forward (no zero_grad, or accumulation across steps): then the next step adds to them.
+        grads = {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
+        host, nbytes = to_host_sized(state_of(self.model, self.optimizer, self.scheduler, self.scaler, grads))
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        snap = Snapshot(step=step, state=host, event=event, nbytes=nbytes)
+        self.ring.add_snapshot(snap)
+        if self.disk is not None:
+            self.disk.add_snapshot(snap)
+        self.schedule.taken(self._clock() - t0)
+
+    # -------------------------------------------------------------- captures
+    def flush_incident(self) -> None:
+        """Start the open incident's capture, if any (at its due step, or at close)."""
+        inc = self.incidents.take()
+        if inc is None:
+            return
+        last = self.ring.entries[-1].step if self.ring.entries else inc.step
+        self.capture(inc.trigger, inc.step, inc.grads, inc.message, last=max(inc.step, last))
+
+    def capture(self, trigger: str, step: int, grads: dict[str, torch.Tensor] | None,
+                message: str, last: int | None = None) -> None:
+        """Start writing a capture from ``step`` to ``last`` (default ``step``) out of the ring."""
+        end = step if last is None else last
+        # A snapshot taken at step N holds the state step N-1 made: when N-1's optimizer step
+        # broke the parameters (seen only in N's loss) it is already corrupt, so prefer the one before.
+        ring = self.ring
+        span = (ring.span(end, before=step - 1) if step > 0 else None) or ring.span(end, before=step)
+        if span is None:
+            log.warning("sentineld: step %d is not in the ring buffer (window %d); no capture",
+                        step, self.config.window)
+            self.stream.put({"kind": "agent_warning", "step": step,
+                             "message": "no clean snapshot in the ring; capture skipped"}, urgent=True)
+            return
+        snap, entries = span
+        self.writer.start(trigger, step, snap, entries, grads, message)
+
+    def peer_captures(self) -> None:
+        """Capture the steps where another rank opened an incident (agent/peers.py)."""
+        for step, rank in self.peers.take() if self.peers is not None else []:
+            last = self.ring.entries[-1].step if self.ring.entries else step
+            self.capture(NONFINITE, step, None, f"rank {rank} went non-finite at step {step}: this rank's "
+                         "capture of the step, for the DDP replay", last=max(step, last))

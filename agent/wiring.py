@@ -1,0 +1,84 @@
+"""Building the agent's parts at attach: argument checks, the metrics exporter, the on-disk ring,
+run.json's localization fields. Each never raises for an environment problem (a busy port, an
+unwritable ring directory): that part is switched off with a warning and training goes on."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sentineld.contracts.rundir import valid_run_id
+from sentineld.contracts.stream import StreamWriter
+
+from .agent_config import AgentConfig
+from .diskring import DiskRingWriter
+from .exporter import Latest, start_exporter
+from .localize_live import LiveLocalizer
+from .runinfo import default_run_id, job_attempt
+
+__all__ = ["check_args", "run_extra", "start_metrics", "start_disk_ring"]
+
+log = logging.getLogger("sentineld.agent")
+
+
+def check_args(model: Any, optimizer: Any, run_id: str | None, recipe: str | None,
+               recipe_args: dict[str, Any] | None) -> str:
+    """The run id to use.
+
+    Raises:
+        TypeError: model or optimizer of the wrong type.
+        ValueError: a bad run id, recipe spec or non-JSON recipe_args (the message names it).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    run_id = job_attempt(run_id or default_run_id())  # a restarted torchrun attempt is a new run
+    if not valid_run_id(run_id):
+        raise ValueError(f"run_id {run_id!r} must be 1-128 letters, digits, '.', '_' or '-'")
+    if recipe is not None and ":" not in recipe:
+        raise ValueError(f"recipe must be 'module:function', got {recipe!r}")
+    try:
+        json.dumps(dict(recipe_args or {}), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"recipe_args must be JSON values (str, numbers, bools, lists, dicts): {exc}") from None
+    return run_id
+
+
+def run_extra(live: LiveLocalizer | None, localize: str, inner: torch.nn.Module) -> dict[str, Any]:
+    """run.json's in-process localization fields (read by the daemon and the forward-only replay)."""
+    return {"localize": localize if live else "off",
+            "localize_memory_bytes": live.memory_bytes if live else 0,
+            "model_class": f"{type(inner).__module__}:{type(inner).__qualname__}"}
+
+
+def start_metrics(config: AgentConfig, latest: Latest, run_id: str, rank: int, local_rank: int,
+                  enabled: bool) -> tuple[Any, int | None]:
+    """``(server, bound port)`` of the Prometheus exporter, or ``(None, None)`` when off/unbindable."""
+    if config.metrics_port == 0 or not enabled:
+        return None, None
+    port = config.metrics_port + (local_rank if config.metrics_port > 0 else 0)
+    try:
+        return start_exporter(latest, run_id, rank, port, config.metrics_addr)
+    except OSError as exc:
+        log.warning("sentineld: metrics export off: %s", exc)
+        return None, None
+
+
+def start_disk_ring(config: AgentConfig, run_dir: Path, rank: int, run_id: str,
+                    stream: StreamWriter) -> DiskRingWriter | None:
+    """The on-disk ring writer when ``config.disk_ring``; None when off or its directory fails."""
+    if not config.disk_ring:
+        return None
+    try:
+        return DiskRingWriter(
+            run_dir, rank, config.window,
+            meta={"run_id": run_id, "torch_version": str(torch.__version__)},
+            on_warning=lambda text: stream.put({"kind": "agent_warning", "message": text}, urgent=True))
+    except OSError as exc:
+        log.warning("sentineld: on-disk ring off: %s", exc)
+        return None

@@ -2,7 +2,9 @@
 daemon's ``nonfinite`` signature also applies (:mod:`sentineld.contracts.nonfinite`) opens an
 incident, unless one is open (latched); the capture is written ``post_steps`` steps later, so the
 replay can follow a fault that shows one step after it is made; ``rearm_steps`` finite steps in a
-row re-arm it (one capture per incident, not one per step). Pure state, no I/O.
+row re-arm it (one capture per incident, not one per step): the rule of
+:func:`sentineld.contracts.nonfinite.current_incident`, so the daemon alerts the same steps. The
+message names what is non-finite in the rule's words. Pure state, no I/O.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sentineld.contracts.nonfinite import is_nonfinite
+from sentineld.contracts.nonfinite import is_nonfinite, nonfinite_reasons
 from sentineld.contracts.records import StepRecord
 from sentineld.contracts.triggers import NONFINITE
 
@@ -53,8 +55,8 @@ class IncidentPolicy:
         if self.latched:
             return True, None
         self.latched = True
-        self.open = Incident(NONFINITE, record.step, f"loss={record.loss} grad_norm={record.grad_norm} "
-                                                     f"lr={record.lr} at step {record.step}")
+        what = ", ".join(nonfinite_reasons(record)) or "value"
+        self.open = Incident(NONFINITE, record.step, f"non-finite {what} at step {record.step}")
         return True, self.open
 
     def due(self, last_step: int) -> bool:

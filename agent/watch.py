@@ -143,7 +143,17 @@ class Watch:
         self._gnorm: torch.Tensor | None = None
         self._pre_hook_ran = False
         self._install_hooks()
+        self._initial_snapshot()
         EXITS.register(self)
+
+    def _initial_snapshot(self) -> None:
+        """The state before step 0, so a fault in the first steps has a clean snapshot (see
+        :meth:`SnapshotSchedule.initial`); RAM ring only, and replaced by the first forward's."""
+        try:
+            self._take_snapshot(self._n, initial=True)
+            self._rng = capture_rng()
+        except Exception as exc:  # noqa: BLE001 - the agent must never break training
+            self._disable(exc)
 
     def _run_extra(self, localize: str) -> dict[str, Any]:
         """run.json's in-process localization fields (read by the daemon and the forward-only replay)."""
@@ -282,6 +292,8 @@ class Watch:
         if self._step_started or self._ring.entries:  # a snapshot or record already numbered
             raise ValueError("start_at() must be called before the first step starts")
         self._n = int(step)
+        self._ring.snapshots.clear()  # the initial snapshot, numbered again
+        self._initial_snapshot()
 
     # ------------------------------------------------------------------ step
     def step(self, loss: torch.Tensor | float, batch: Any = None) -> None:
@@ -372,7 +384,7 @@ class Watch:
                 if p.grad is not None}
 
     # ------------------------------------------------------------- snapshots
-    def _take_snapshot(self, step: int) -> None:
+    def _take_snapshot(self, step: int, initial: bool = False) -> None:
         t0 = self._clock()
         # Gradients are part of the state only in a loop that does not zero them before the
         # forward (no zero_grad, or accumulation across steps): then the next step adds to them.
@@ -384,9 +396,9 @@ class Watch:
             event.record()
         snap = Snapshot(step=step, state=host, event=event, nbytes=tree_nbytes(host))
         self._ring.add_snapshot(snap)
-        if self._disk is not None:
+        if self._disk is not None and not initial:
             self._disk.add_snapshot(snap)
-        self._schedule.taken(self._clock() - t0)
+        self._schedule.taken(self._clock() - t0, initial=initial)
 
     # -------------------------------------------------------------- captures
     def _flush_incident(self) -> None:

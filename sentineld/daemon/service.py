@@ -307,7 +307,9 @@ class Daemon:
         while True:
             new, caps = rw.poll(max_records=max(1, self.cfg.window // 2))
             more = rw.behind
-            if new:
+            # An ended run with signatures still active is evaluated once more to close them
+            # (its end record may come in a read of its own, with no step record).
+            if new or (rw.active and not more and _all_ended(rw)):
                 self._evaluate(rw, live=not more)
             if rw.notices:
                 self.notifier.agent_notices(rw)
@@ -379,7 +381,8 @@ class Daemon:
         d = decide(rw.active, per_rank, now_s=now, last_alert_s=rw.last_alert_s,
                    held=[k for (run, k) in self._held if run == str(rw.run_dir)],
                    multi_rank=rw.meta is not None and rw.meta.world_size > 1,
-                   alert_interval_s=self.cfg.alert_interval_s, rank_grace_s=RANK_GRACE_S)
+                   alert_interval_s=self.cfg.alert_interval_s, rank_grace_s=RANK_GRACE_S,
+                   ended=_all_ended(rw))
         rw.active = d.active
         self._act(rw, d)
 
@@ -404,6 +407,9 @@ class Daemon:
             self.notifier.recovery(rw, a, last)
         for a in d.grown:
             self.notifier.am_refresh(rw, a)
+        for a in d.closed:  # the run ended: nothing fires any more, and nothing recovered
+            self.notifier.am_resolve(rw, a)
+            log.info("run %s ended: %s closed", rw.run_id, a.key)
         if d.incident_over:
             self.notifier.am_resolve_extras(rw)
         if d.changed:
@@ -433,6 +439,8 @@ class Daemon:
             for key in keys:
                 if key in rw.active:
                     self._alert(rw, active_from_dict(rw.active[key]))
+            if keys and _all_ended(rw):
+                self._evaluate(rw)  # sent: now close what a finished run left active
 
     def _update_active_gauge(self, rw: RunWatch) -> None:
         g = self._metrics.get("active")
@@ -491,3 +499,8 @@ def _all_signatures() -> list[tuple[str, str]]:
     from sentineld.signatures.base import SIGNATURES  # noqa: PLC0415
 
     return list(SIGNATURES.items())
+
+
+def _all_ended(rw: RunWatch) -> bool:
+    """Every rank of ``rw`` wrote its ``end`` record (the run finished, crashed or was stopped)."""
+    return bool(rw.tails) and len(rw.ended) >= len(rw.tails)

@@ -54,7 +54,7 @@ from .capturer import CaptureWriter
 from .diskring import DiskRingWriter
 from .exits import EXITS
 from .exporter import Latest, start_exporter
-from .incidents import IncidentPolicy
+from .incidents import IncidentPolicy, batch_check, params_nonfinite
 from .localize_live import make_localizer
 from .readback import Readback, grad_norm
 from .ring import Ring, RingEntry, Snapshot, to_host, tree_nbytes
@@ -330,7 +330,8 @@ class Watch:
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
         scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
         values: list[torch.Tensor | None] = [loss_t.float().reshape(()), gnorm,
-                                             lr if isinstance(lr, torch.Tensor) else None, scale]
+                                             lr if isinstance(lr, torch.Tensor) else None, scale,
+                                             batch_check(batch)]
         host_batch = to_host(batch)
         entry = RingEntry(step=n, batch=host_batch, rng=self._rng, record=None,
                           nbytes=tree_nbytes(host_batch))
@@ -340,7 +341,7 @@ class Watch:
         if layers:
             self.latest.layers = dict(layers)
         fields = {"step": n, "step_s": step_s, "time_s": self._wall(), "optimizer_skipped": skipped,
-                  "layers": layers or None,
+                  "layers": layers or None, "param_nonfinite": params_nonfinite(layers),
                   "rank": self.rank, "grads_carried": self._grads_carried,
                   "lr": float(lr) if lr is not None and not isinstance(lr, torch.Tensor) else None}
         event = self._readback.push(n, values, fields, entry)

@@ -394,17 +394,19 @@ class Daemon:
             self.notifier.am_fire_quietly(rw, a)
             log.info("run %s: %s fired again at step %d within %g s of its last alert: not "
                      "notified (alert_interval_s)", rw.run_id, a.key, a.step, self.cfg.alert_interval_s)
+        # What cleared is resolved before anything fires: a nonfinite incident that recovered
+        # and broke again is the same Alertmanager alert, resolved and then fired anew.
+        last = max(rw.last_step.values(), default=0)
+        for a in d.resolved_quietly:
+            self.notifier.am_resolve(rw, a)
+        for a in d.recovered:
+            self.notifier.recovery(rw, a, last)
         for key, until in d.hold.items():
             self._held[(run_key, key)] = until
         for a in d.alert:
             self._alert(rw, a)
         for key in d.dropped_holds:
             self._held.pop((run_key, key), None)
-        last = max(rw.last_step.values(), default=0)
-        for a in d.resolved_quietly:
-            self.notifier.am_resolve(rw, a)
-        for a in d.recovered:
-            self.notifier.recovery(rw, a, last)
         for a in d.grown:
             self.notifier.am_refresh(rw, a)
         for a in d.closed:  # the run ended: nothing fires any more, and nothing recovered

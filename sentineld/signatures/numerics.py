@@ -106,8 +106,10 @@ def detect_nonfinite(records: Sequence[StepRecord], config: NonfiniteConfig) -> 
     first_reasons = nonfinite_reasons(first) or ["value"]
     data = INPUT_REASON in first_reasons
     step = step_of(first)
-    msg = (f"non-finite {', '.join(first_reasons)} at step {step} "
-           f"({inc.nonfinite_steps} of {len(records) - inc.first} steps since non-finite)")
+    span = len(records) - inc.first
+    seen = ("the newest step" if span == 1 else
+            f"{inc.nonfinite_steps} of the {span} steps {step}-{step_of(records[-1])} non-finite")
+    msg = f"non-finite {', '.join(first_reasons)} at step {step} ({seen})"
     numbers = {"loss": getattr(first, "loss", None), "grad_norm": getattr(first, "grad_norm", None),
                "nonfinite_steps": inc.nonfinite_steps}
     if any(x.startswith("learning rate") for x in first_reasons):

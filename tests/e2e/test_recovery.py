@@ -80,3 +80,25 @@ def test_recovered_run_gets_recovery_notice_second_alert_and_closes(daemon_facto
     assert st["ended"] == {"0": "finished"}
     time.sleep(1.5)  # closing is no recovery: nothing more is sent for the finished run
     assert [n["kind"] for n in daemon.notifications() if n["run"] == "twice"] == ["alert", "recovery", "alert"]
+
+
+@pytest.mark.slow
+def test_daemon_started_after_the_run_reports_both_incidents(daemon_factory, tmp_path):
+    """Read in one go (the daemon was down while the run trained): before this fix one slice of
+    100 records held both incidents and only the second was alerted."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-c", TRAIN.replace("time.sleep(0.03)", "pass"), str(runs)], cwd=REPO,
+                   check=True, timeout=120, env=env)
+    daemon = daemon_factory(extra=["--no-replay"], runs_dir=runs)
+
+    def notes():
+        return [(n["kind"], n["step"]) for n in daemon.notifications()
+                if n["run"] == "twice" and n["signature"] == "nonfinite"]
+
+    wait_until(lambda: len(notes()) >= 3, 60, "alert, recovery, alert")
+    got = notes()
+    assert got[0] == ("alert", BAD[0]) and got[1][0] == "recovery" and got[2] == ("alert", BAD[1])
+    wait_until(lambda: any(r["run_id"] == "twice" and not r["active"] for r in daemon.status().get("runs", [])),
+               30, "the finished run's signatures closed")

@@ -19,8 +19,9 @@ Rules (all from the design; ``sentineld.daemon.service`` carries them out):
   a recovery is alerted whatever ``alert_interval_s`` says, and one whose verdict comes at a
   later step with ``finite_steps_before >= REARM_STEPS`` (it recovered and broke again between
   two evaluations) is the old one recovered plus a new alert;
-- when every rank of a run has ended, its signatures are closed (``closed``: Alertmanager
-  resolve, no recovery notice, since nothing recovered), except held alerts, which are sent first;
+- when every rank of a run has ended, its signatures are closed (``closed``): no longer active in
+  ``status``, no recovery notice (nothing recovered), and its Alertmanager page stays open (an
+  incident a run ended in is not over for on-call; issue 16); held alerts are sent first;
 - a notified alert that more ranks join is re-posted to Alertmanager, so the page lists every
   rank (issue 16); when a run's last active signature clears, its incident is over.
 """
@@ -103,7 +104,7 @@ class Decision:
         resolved_quietly: cleared suppressed alerts: Alertmanager resolve only, no notice.
         dropped_holds: keys of held alerts that cleared before they were sent.
         grown: notified alerts that more ranks joined (Alertmanager re-post only, no notice).
-        closed: alerts of a run that ended (Alertmanager resolve only, no notice).
+        closed: alerts of a run that ended, dropped from the active set (no notice, no resolve).
         incident_over: something cleared and nothing is active any more (the incident's verdict
             and crash alerts resolve with it).
     """
@@ -186,7 +187,7 @@ def decide(active: Mapping[str, Mapping[str, Any]], per_rank: Mapping[int, Seque
     if ended:
         for key in [k for k in new if k not in held_now and k not in out.hold]:
             out.closed.append(active_from_dict(new.pop(key)))
-    out.incident_over = bool(cleared or out.closed) and not new
+    out.incident_over = bool(cleared) and not new
     return out
 
 

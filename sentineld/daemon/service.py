@@ -410,8 +410,7 @@ class Daemon:
         for a in d.grown:
             self.notifier.am_refresh(rw, a)
         for a in d.closed:  # the run ended: nothing fires any more, and nothing recovered
-            self.notifier.am_resolve(rw, a)
-            log.info("run %s ended: %s closed", rw.run_id, a.key)
+            log.info("run %s ended: %s closed (its Alertmanager page stays open)", rw.run_id, a.key)
         if d.incident_over:
             self.notifier.am_resolve_extras(rw)
         if d.changed:

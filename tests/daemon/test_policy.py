@@ -136,7 +136,8 @@ def test_incident_is_over_only_when_the_last_signature_clears():
 def test_an_ended_run_closes_its_signatures_without_a_recovery_notice():
     d = _decide({"nonfinite": _saved("nonfinite", 5)}, {0: [V("nonfinite", 5)]}, ended=True)
     assert [a.key for a in d.closed] == ["nonfinite"] and d.recovered == [] and d.alert == []
-    assert d.active == {} and d.changed and d.incident_over
+    assert d.active == {} and d.changed
+    assert not d.incident_over  # its page (and the verdict in it) stays for on-call
 
 
 def test_an_ended_run_alerts_what_it_showed_then_closes_it():

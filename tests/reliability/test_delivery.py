@@ -154,16 +154,21 @@ def test_random_daemon_kills_during_a_burst_lose_nothing(smtp, sink, make_daemon
           f"duplicates 0, marked repeats {mail_dups + hook_dups} (in-doubt resends {resent})")
 
 
-def test_rate_limit_per_run_and_signature_and_recovery_notice(make_daemon):
+def test_rate_limit_spares_a_new_nonfinite_incident_and_recovery_notices(make_daemon):
     daemon = make_daemon(extra=["--no-replay"], config={"alert_interval_s": 3600.0})
-    # NaN at step 5 (alert), gone from the 200-step window at 205 (recovery notice), NaN again
-    # at 300: within the interval, tracked but not notified (and neither is its recovery).
+    # NaN at step 5 (alert), 20 finite steps later it is over (recovery notice), NaN again at 300:
+    # a new incident, alerted within alert_interval_s (issue 10: a run that recovered and broke
+    # again got no second alert), and over again 20 steps later. alert_interval_s still limits
+    # the signatures that flap (tests/daemon/test_policy.py).
     write_run(daemon.runs_dir, "flap", 700, {5, 300})
-    wait_until(lambda: daemon.status().get("alerts_suppressed") == 1 and
-               daemon.status()["runs"][0]["last_step"] == 699, 30, "the whole stream evaluated")
+    wait_until(lambda: len(daemon.notifications()) == 4 and
+               [r["last_step"] for r in daemon.status().get("runs", [])] == [699], 30,
+               "the whole stream evaluated")
     time.sleep(0.6)
     kinds = [(n["kind"], n["signature"], n["step"]) for n in daemon.notifications()]
     assert kinds[0] == ("alert", "nonfinite", 5)
-    assert kinds[1][0] == "recovery" and kinds[1][1] == "nonfinite"
-    assert len(kinds) == 2
+    assert kinds[1][:2] == ("recovery", "nonfinite")
+    assert kinds[2] == ("alert", "nonfinite", 300)
+    assert kinds[3][:2] == ("recovery", "nonfinite")
+    assert len(kinds) == 4 and daemon.status().get("alerts_suppressed") == 0
     assert "RESOLVED nonfinite" in daemon.notifications()[1]["title"]

@@ -72,3 +72,30 @@ def test_optimizer_fault_before_the_first_periodic_snapshot(tmp_path):
     caps, report = _train_and_replay(tmp_path, 3, "method", 0)
     assert caps == [(4, "nonfinite")]
     assert (report["step"], report["phase"]) == (3, "optimizer")
+
+
+def test_attach_snapshot_is_renumbered_by_start_at_and_replaced_by_the_first_step(tmp_path):
+    """The ring bound holds: the attach snapshot is one of the ring's two, never a third."""
+    import torch
+    import torch.nn.functional as F
+
+    from sentineld.agent import attach
+
+    m = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(m.parameters(), 0.1)
+    watch = attach(m, opt, run_id="renum", runs_dir=tmp_path, metrics_port=0, localize="off",
+                   snapshot_every=10, capture_on_sigterm=False)
+    assert [s.step for s in watch._ring.snapshots] == [0]
+    watch.start_at(100)
+    assert [s.step for s in watch._ring.snapshots] == [100]
+    with torch.no_grad():
+        m.weight.fill_(0.5)  # a checkpoint loaded after attach: the first step's snapshot has it
+    for _ in range(3):
+        opt.zero_grad()
+        loss = F.mse_loss(m(torch.ones(3, 4)), torch.zeros(3, 2))
+        loss.backward()
+        opt.step()
+        watch.step(loss, batch=torch.ones(3, 4))
+    (snap,) = watch._ring.snapshots
+    assert snap.step == 100 and float(snap.state["model"]["weight"].flatten()[0]) == 0.5
+    watch.close()

@@ -19,6 +19,9 @@ Rules (all from the design; ``sentineld.daemon.service`` carries them out):
   a recovery is alerted whatever ``alert_interval_s`` says, and one whose verdict comes at a
   later step with ``finite_steps_before >= REARM_STEPS`` (it recovered and broke again between
   two evaluations) is the old one recovered plus a new alert;
+- a notified alert stays active at least ``min_firing_s`` after it was sent, so an incident over
+  within seconds (``nonfinite`` now clears 20 finite steps after the NaN) still reaches
+  Alertmanager's ``group_wait``; it clears at a later evaluation, or at once when the run ends;
 - when every rank of a run has ended, its signatures are closed (``closed``): no longer active in
   ``status``, no recovery notice (nothing recovered), and its Alertmanager page stays open (an
   incident a run ended in is not over for on-call; issue 16); held alerts are sent first;
@@ -135,7 +138,8 @@ def _new_incident(saved: Mapping[str, Any], a: Active) -> bool:
 
 def decide(active: Mapping[str, Mapping[str, Any]], per_rank: Mapping[int, Sequence[Any]], *,
            now_s: float, last_alert_s: Mapping[str, float], held: Iterable[str], multi_rank: bool,
-           alert_interval_s: float, rank_grace_s: float, ended: bool = False) -> Decision:
+           alert_interval_s: float, rank_grace_s: float, ended: bool = False,
+           min_firing_s: float = 0.0) -> Decision:
     """Apply the module's rules to one evaluation of a run.
 
     Args:
@@ -148,6 +152,7 @@ def decide(active: Mapping[str, Mapping[str, Any]], per_rank: Mapping[int, Seque
         alert_interval_s: see the module docstring (daemon config).
         rank_grace_s: see the module docstring.
         ended: every rank of the run wrote its ``end`` record.
+        min_firing_s: see the module docstring (``sentineld.daemon.service.MIN_FIRING_S``).
 
     Returns:
         A :class:`Decision`; its ``active`` is a new dict.
@@ -183,11 +188,15 @@ def decide(active: Mapping[str, Mapping[str, Any]], per_rank: Mapping[int, Seque
         else:
             out.alert.append(a)
     for key in cleared:
+        sent = last_alert_s.get(key)
+        if (not ended and sent is not None and now_s - sent < min_firing_s
+                and not new[key].get("suppressed") and key not in held_now):
+            continue  # over, but announced at a later evaluation (Alertmanager's group_wait)
         _clear(out, key, held_now)
     if ended:
         for key in [k for k in new if k not in held_now and k not in out.hold]:
             out.closed.append(active_from_dict(new.pop(key)))
-    out.incident_over = bool(cleared) and not new
+    out.incident_over = bool(out.recovered or out.resolved_quietly or out.dropped_holds) and not new
     return out
 
 

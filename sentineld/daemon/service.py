@@ -77,6 +77,10 @@ RUN_JSON_GRACE_S = 10.0
 #: Seconds a multi-rank run's new alert waits for the other ranks' streams (our measurement: DDP
 #: ranks on one host flush their NaN step within ~0.3 s of each other).
 RANK_GRACE_S = 2.0
+#: The shortest a notified alert stays active: longer than the shipped Alertmanager
+#: ``group_wait`` for pages (10 s, deploy/alertmanager/alertmanager.yml), so an incident that is
+#: over within seconds is still paged, then resolved.
+MIN_FIRING_S = 15.0
 
 
 class Daemon:
@@ -382,7 +386,7 @@ class Daemon:
                    held=[k for (run, k) in self._held if run == str(rw.run_dir)],
                    multi_rank=rw.meta is not None and rw.meta.world_size > 1,
                    alert_interval_s=self.cfg.alert_interval_s, rank_grace_s=RANK_GRACE_S,
-                   ended=_all_ended(rw))
+                   ended=_all_ended(rw), min_firing_s=MIN_FIRING_S)
         rw.active = d.active
         self._act(rw, d)
 

@@ -26,9 +26,9 @@ def _saved(sig: str, step: int = 3, ranks=(0,), **extra) -> dict:
             "severity": "critical", "message": "m", "numbers": {}, "fix": "f", "notified": True, **extra}
 
 
-def _decide(active, per_rank, now=100.0, last=None, held=(), multi=False, ended=False):
+def _decide(active, per_rank, now=100.0, last=None, held=(), multi=False, ended=False, min_firing=0.0):
     return decide(active, per_rank, now_s=now, last_alert_s=last or {}, held=held, multi_rank=multi,
-                  alert_interval_s=60.0, rank_grace_s=2.0, ended=ended)
+                  alert_interval_s=60.0, rank_grace_s=2.0, ended=ended, min_firing_s=min_firing)
 
 
 def _again(step: int, before: int) -> V:
@@ -157,3 +157,16 @@ def test_an_ended_run_keeps_a_held_alert_until_it_is_sent():
 def test_a_running_run_closes_nothing():
     d = _decide({"nonfinite": _saved("nonfinite", 5)}, {0: [V("nonfinite", 5)]})
     assert d.closed == [] and sorted(d.active) == ["nonfinite"] and not d.changed
+
+
+def test_an_alert_cleared_within_min_firing_s_is_announced_later():
+    """A NaN over within seconds still reaches Alertmanager's group_wait (tests/deploy/test_oncall)."""
+    saved = {"nonfinite": _saved("nonfinite", 5)}
+    young = _decide(saved, {0: []}, now=105.0, last={"nonfinite": 100.0}, min_firing=15.0)
+    assert young.recovered == [] and sorted(young.active) == ["nonfinite"] and not young.incident_over
+    old = _decide(saved, {0: []}, now=116.0, last={"nonfinite": 100.0}, min_firing=15.0)
+    assert [a.key for a in old.recovered] == ["nonfinite"] and old.active == {} and old.incident_over
+    ended = _decide(saved, {0: []}, now=105.0, last={"nonfinite": 100.0}, min_firing=15.0, ended=True)
+    assert [a.key for a in ended.recovered] == ["nonfinite"] and ended.closed == []  # it did recover
+    again = _decide(saved, {0: [_again(61, REARM_STEPS)]}, now=105.0, last={"nonfinite": 100.0}, min_firing=15.0)
+    assert [a.key for a in again.recovered] == ["nonfinite"] and [a.step for a in again.alert] == [61]

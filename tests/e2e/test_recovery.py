@@ -66,7 +66,7 @@ def test_recovered_run_gets_recovery_notice_second_alert_and_closes(daemon_facto
     wait_until(lambda: sum("nonfinite" in t for t in delivered()) >= 3, 60, "alert, recovery, alert")
     notes = [(n["kind"], n["signature"], n["step"]) for n in daemon.notifications() if n["run"] == "twice"]
     assert notes[0] == ("alert", "nonfinite", BAD[0])
-    assert notes[1][:2] == ("recovery", "nonfinite") and BAD[0] + REARM_STEPS <= notes[1][2] < BAD[1]
+    assert notes[1][:2] == ("recovery", "nonfinite") and BAD[0] + REARM_STEPS <= notes[1][2] <= BAD[1]
     assert notes[2] == ("alert", "nonfinite", BAD[1])
     titles = delivered()
     assert any(t.startswith("[sentineld] RESOLVED nonfinite in run twice") for t in titles)

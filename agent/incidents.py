@@ -90,7 +90,8 @@ def batch_check(batch: Any) -> torch.Tensor | None:
     sums: list[torch.Tensor] = []
 
     def add(t: torch.Tensor) -> torch.Tensor:
-        if t.is_floating_point() and t.numel() > 0 and not t.is_sparse:
+        # Dense tensors only: a nested or sparse batch is copied to the ring as before, unchecked.
+        if t.is_floating_point() and t.layout == torch.strided and not t.is_nested and t.numel() > 0:
             sums.append(t.detach().sum(dtype=torch.float32))
         return t
 

@@ -20,8 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["is_nonfinite", "nonfinite_reasons", "current_incident", "Incident", "INPUT_REASON",
-           "REARM_STEPS"]
+__all__ = ["is_nonfinite", "nonfinite_reasons", "current_incident", "recovered_at", "Incident",
+           "INPUT_REASON", "REARM_STEPS"]
 
 #: Finite steps in a row after which a non-finite incident is over. 20, not more: a run that
 #: recovers (GradScaler skipped the step, one bad batch) and breaks again 50 steps later is a
@@ -143,3 +143,17 @@ def current_incident(records: Sequence[Any], rearm_steps: int = REARM_STEPS) -> 
             break
         before += 1
     return Incident(first=first, nonfinite_steps=count, finite_before=before)
+
+
+def recovered_at(records: Sequence[Any], since_step: int, rearm_steps: int = REARM_STEPS) -> int | None:
+    """The step at which the incident that began at ``since_step`` was over: the last of the first
+    ``rearm_steps`` finite steps in a row after it, or None when ``records`` do not show it."""
+    streak = 0
+    for r in records:
+        step = getattr(r, "step", None)
+        if not isinstance(step, int) or step < since_step:
+            continue
+        streak = 0 if is_nonfinite(r) else streak + 1
+        if streak >= rearm_steps:
+            return step
+    return None

@@ -36,6 +36,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
 
+from sentineld.contracts.nonfinite import recovered_at
 from sentineld.contracts.rundir import make_private_dir, parse_capture_name
 from sentineld.contracts.triggers import CRASH
 from sentineld.daemon.am_incident import no_recipe_outcome, verdict_may_come
@@ -404,7 +405,7 @@ class Daemon:
         for a in d.resolved_quietly:
             self.notifier.am_resolve(rw, a)
         for a in d.recovered:
-            self.notifier.recovery(rw, a, last)
+            self.notifier.recovery(rw, a, _recovery_step(rw, a, last))
         for key, until in d.hold.items():
             self._held[(run_key, key)] = until
         for a in d.alert:
@@ -509,3 +510,12 @@ def _all_signatures() -> list[tuple[str, str]]:
 def _all_ended(rw: RunWatch) -> bool:
     """Every rank of ``rw`` wrote its ``end`` record (the run finished, crashed or was stopped)."""
     return bool(rw.tails) and len(rw.ended) >= len(rw.tails)
+
+
+def _recovery_step(rw: RunWatch, a: Active, last: int) -> int:
+    """The step a recovery notice names: for ``nonfinite``, where its incident was over (the
+    notice may come later: ``MIN_FIRING_S``, or a read that also holds the next incident)."""
+    if a.signature != "nonfinite":
+        return last
+    steps = [s for recs in rw.records.values() if (s := recovered_at(list(recs), a.step)) is not None]
+    return min(steps, default=last)

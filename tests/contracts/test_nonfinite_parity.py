@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from sentineld.agent import attach
 from sentineld.contracts.capture import open_capture
-from sentineld.contracts.nonfinite import REARM_STEPS, current_incident, is_nonfinite, nonfinite_reasons
+from sentineld.contracts.nonfinite import REARM_STEPS, current_incident, is_nonfinite, nonfinite_reasons, recovered_at
 from sentineld.contracts.records import StepRecord, record_from_json
 from sentineld.contracts.rundir import list_captures
 from sentineld.signatures import evaluate
@@ -130,3 +130,9 @@ def test_agent_incidents_and_daemon_verdict_follow_one_rule(pattern, first, verd
 def test_an_incident_older_than_the_window_is_a_continuation():
     inc = current_incident(_records("xxxx" + "." * 3 + "x"))
     assert inc is not None and (inc.first, inc.nonfinite_steps, inc.finite_before) == (0, 5, 0)
+
+
+def test_recovered_at_names_the_last_of_the_finite_steps_that_ended_it():
+    records = _records("." * 5 + "xx.x" + "." * 50 + "x")
+    assert recovered_at(records, 5) == 8 + REARM_STEPS
+    assert recovered_at(records[:8 + REARM_STEPS], 5) is None

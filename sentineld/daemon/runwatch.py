@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from sentineld.contracts.nonfinite import is_nonfinite
+from sentineld.contracts.nonfinite import is_nonfinite, recovered_at
 from sentineld.contracts.records import StepRecord, record_from_json
 from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, read_run_meta
 from sentineld.contracts.stream import CHUNK_BYTES, StreamTail, read_lines
@@ -99,6 +99,19 @@ class RunWatch:
         if self.meta is not None and self.meta.started_s:
             return f"{self.run_id}@{self.meta.started_s!r}"
         return self.run_id
+
+    @property
+    def all_ended(self) -> bool:
+        """Every rank wrote its ``end`` record (the run finished, crashed or was stopped)."""
+        return bool(self.tails) and len(self.ended) >= len(self.tails)
+
+    def recovery_step(self, signature: str, since_step: int, last: int) -> int:
+        """The step a recovery notice names: for ``nonfinite``, where its incident (begun at
+        ``since_step``) was over, which the notice may follow later; else ``last``."""
+        if signature != "nonfinite":
+            return last
+        steps = [s for recs in self.records.values() if (s := recovered_at(list(recs), since_step)) is not None]
+        return min(steps, default=last)
 
     @property
     def behind(self) -> bool:

@@ -36,7 +36,6 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
 
-from sentineld.contracts.nonfinite import recovered_at
 from sentineld.contracts.rundir import make_private_dir, parse_capture_name
 from sentineld.contracts.triggers import CRASH
 from sentineld.daemon.am_incident import no_recipe_outcome, verdict_may_come
@@ -314,7 +313,7 @@ class Daemon:
             more = rw.behind
             # An ended run with signatures still active is evaluated once more to close them
             # (its end record may come in a read of its own, with no step record).
-            if new or (rw.active and not more and _all_ended(rw)):
+            if new or (rw.active and not more and rw.all_ended):
                 self._evaluate(rw, live=not more)
             if rw.notices:
                 self.notifier.agent_notices(rw)
@@ -387,7 +386,7 @@ class Daemon:
                    held=[k for (run, k) in self._held if run == str(rw.run_dir)],
                    multi_rank=rw.meta is not None and rw.meta.world_size > 1,
                    alert_interval_s=self.cfg.alert_interval_s, rank_grace_s=RANK_GRACE_S,
-                   ended=_all_ended(rw), min_firing_s=MIN_FIRING_S)
+                   ended=rw.all_ended, min_firing_s=MIN_FIRING_S)
         rw.active = d.active
         self._act(rw, d)
 
@@ -405,7 +404,7 @@ class Daemon:
         for a in d.resolved_quietly:
             self.notifier.am_resolve(rw, a)
         for a in d.recovered:
-            self.notifier.recovery(rw, a, _recovery_step(rw, a, last))
+            self.notifier.recovery(rw, a, rw.recovery_step(a.signature, a.step, last))
         for key, until in d.hold.items():
             self._held[(run_key, key)] = until
         for a in d.alert:
@@ -445,7 +444,7 @@ class Daemon:
             for key in keys:
                 if key in rw.active:
                     self._alert(rw, active_from_dict(rw.active[key]))
-            if keys and _all_ended(rw):
+            if keys and rw.all_ended:
                 self._evaluate(rw)  # sent: now close what a finished run left active
 
     def _update_active_gauge(self, rw: RunWatch) -> None:
@@ -505,17 +504,3 @@ def _all_signatures() -> list[tuple[str, str]]:
     from sentineld.signatures.base import SIGNATURES  # noqa: PLC0415
 
     return list(SIGNATURES.items())
-
-
-def _all_ended(rw: RunWatch) -> bool:
-    """Every rank of ``rw`` wrote its ``end`` record (the run finished, crashed or was stopped)."""
-    return bool(rw.tails) and len(rw.ended) >= len(rw.tails)
-
-
-def _recovery_step(rw: RunWatch, a: Active, last: int) -> int:
-    """The step a recovery notice names: for ``nonfinite``, where its incident was over (the
-    notice may come later: ``MIN_FIRING_S``, or a read that also holds the next incident)."""
-    if a.signature != "nonfinite":
-        return last
-    steps = [s for recs in rw.records.values() if (s := recovered_at(list(recs), a.step)) is not None]
-    return min(steps, default=last)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from sentineld.contracts.nonfinite import REARM_STEPS
+
 __all__ = ["AgentConfig"]
 
 
@@ -31,7 +33,10 @@ class AgentConfig:
             then gaps doubling up to this: ``sentineld.agent.probes.sampled_at``); 0 = off.
             Measured cost in bench/probes_cost.py and bench/activation_probe_cost.py.
         rearm_steps: finite steps after an incident before another capture may be written
-            (one capture per incident, not one per step).
+            (one capture per incident, not one per step). Default
+            :data:`sentineld.contracts.nonfinite.REARM_STEPS`, the daemon's rule for when an
+            incident is over (recovery notice) and the next one is alerted: change it and
+            captures and alerts may name different incidents.
         post_steps: steps recorded after the offending one before its capture is written, so
             the replay can follow a fault that shows one step later (e.g. a grad norm that
             overflows before the parameters do); the capture is also written at close.
@@ -58,7 +63,7 @@ class AgentConfig:
     metrics_addr: str = "127.0.0.1"
     flush_s: float = 1.0
     layer_every: int = 50
-    rearm_steps: int = 100
+    rearm_steps: int = REARM_STEPS
     post_steps: int = 2
     capture_on_crash: bool = True
     capture_on_sigterm: bool = True

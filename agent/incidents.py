@@ -2,19 +2,25 @@
 daemon's ``nonfinite`` signature also applies (:mod:`sentineld.contracts.nonfinite`) opens an
 incident, unless one is open (latched); the capture is written ``post_steps`` steps later, so the
 replay can follow a fault that shows one step after it is made; ``rearm_steps`` finite steps in a
-row re-arm it (one capture per incident, not one per step). Pure state, no I/O.
+row re-arm it (one capture per incident, not one per step): the rule of
+:func:`sentineld.contracts.nonfinite.current_incident`, so the daemon alerts the same steps. The
+message names what is non-finite in the rule's words. Pure state, no I/O.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
-from sentineld.contracts.nonfinite import is_nonfinite
-from sentineld.contracts.records import StepRecord
+import torch
+
+from sentineld.contracts.nonfinite import is_nonfinite, nonfinite_reasons
+from sentineld.contracts.records import LayerStats, StepRecord
+from sentineld.contracts.treecodec import map_tensors
 from sentineld.contracts.triggers import NONFINITE
 
-__all__ = ["Incident", "IncidentPolicy"]
+__all__ = ["Incident", "IncidentPolicy", "batch_check", "params_nonfinite"]
 
 
 @dataclass
@@ -53,8 +59,8 @@ class IncidentPolicy:
         if self.latched:
             return True, None
         self.latched = True
-        self.open = Incident(NONFINITE, record.step, f"loss={record.loss} grad_norm={record.grad_norm} "
-                                                     f"lr={record.lr} at step {record.step}")
+        what = ", ".join(nonfinite_reasons(record)) or "value"
+        self.open = Incident(NONFINITE, record.step, f"non-finite {what} at step {record.step}")
         return True, self.open
 
     def due(self, last_step: int) -> bool:
@@ -65,3 +71,45 @@ class IncidentPolicy:
         """The open incident, closing it (its capture is being written)."""
         inc, self.open = self.open, None
         return inc
+
+
+def batch_check(batch: Any) -> torch.Tensor | None:
+    """The sum of the floating tensors of ``batch`` (any tree, micro-batch lists included) as a
+    0-d float32 tensor on their device: nan or inf when an element is (nan + x = nan,
+    inf + finite = inf, inf - inf = nan).
+
+    A sum, not max |x|: on CPU ``sum`` is vectorised (about 50 us for a 64x3x32x32 float32
+    batch, a third of the ring's copy of it), while ``abs().amax()``, ``isfinite().all()`` and
+    ``_foreach_norm(inf)`` cost 1.3-17x that copy (our measurement, one CPU thread).
+    Accumulated in float32, so a float16 batch's sum does not overflow at 65504; it can only
+    overflow for elements near 1e33, which overflow the first layer anyway. No host sync: the
+    value travels to the host with the step's other values (:mod:`.readback`), and
+    ``StepRecord.input_nonfinite`` is read from it. None when the batch holds no non-empty
+    floating tensor (token ids, images as uint8).
+    """
+    sums: list[torch.Tensor] = []
+
+    def add(t: torch.Tensor) -> torch.Tensor:
+        # Dense tensors only: a nested or sparse batch is copied to the ring as before, unchecked.
+        if t.is_floating_point() and t.layout == torch.strided and not t.is_nested and t.numel() > 0:
+            sums.append(t.detach().sum(dtype=torch.float32))
+        return t
+
+    map_tensors(batch, add)
+    if not sums:
+        return None
+    if len(sums) == 1:
+        return sums[0]
+    dev = sums[0].device
+    return torch.stack([x.to(dev, non_blocking=True) for x in sums]).sum()
+
+
+def params_nonfinite(layers: Mapping[str, LayerStats] | None) -> bool | None:
+    """``StepRecord.param_nonfinite`` of a step: True when a sampled module's parameter norm is
+    nan/inf, False when every sampled one is finite, None on a step that was not sampled (the
+    probes' norms are the only parameter check: a check every step would read every parameter
+    every step; a non-finite parameter shows in the next step's loss anyway)."""
+    norms = [st.param_norm for st in (layers or {}).values() if st.param_norm is not None]
+    if not norms:
+        return None
+    return not all(math.isfinite(n) for n in norms)

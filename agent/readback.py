@@ -6,6 +6,7 @@ later). On CPU the values are read at once.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Any, Iterator
 
@@ -68,7 +69,8 @@ class Readback:
 
     def push(self, step: int, values: list[torch.Tensor | None], fields: dict[str, Any],
              entry: RingEntry) -> Any:
-        """Queue a step's ``[loss, grad norm, lr tensor, loss scale]`` (any None); returns the
+        """Queue a step's ``[loss, grad norm, lr tensor, loss scale, batch sum]`` (any None; see
+        :func:`.incidents.batch_check`); returns the
         CUDA event its copies complete on (None on CPU)."""
         event = None
         if any(v is not None and v.device.type != "cpu" for v in values):
@@ -82,10 +84,12 @@ class Readback:
         """``(record, ring entry, step)`` of each step whose values landed, in step order."""
         while self._pending and self._pending[0].ready():
             p = self._pending.popleft()
-            loss, gnorm, lr_t, scale = (None if v is None else float(v) for v in p.values)
+            loss, gnorm, lr_t, scale, batch_sum = (None if v is None else float(v) for v in p.values)
             fields = dict(p.fields)
             if lr_t is not None:
                 fields["lr"] = lr_t
+            if batch_sum is not None:
+                fields["input_nonfinite"] = not math.isfinite(batch_sum)
             record = StepRecord(loss=float("nan") if loss is None else loss, grad_norm=gnorm,
                                 loss_scale=scale, **fields)
             yield record, p.entry, p.step

@@ -32,7 +32,7 @@ from .agent_config import AgentConfig
 from .capturer import CaptureWriter
 from .diskring import DiskRingWriter
 from .exporter import Latest
-from .incidents import IncidentPolicy
+from .incidents import IncidentPolicy, batch_check, params_nonfinite
 from .localize_live import LiveLocalizer
 from .peers import PeerIncidents
 from .readback import Readback, grad_norm
@@ -127,7 +127,8 @@ class StepRecorder:
         lr = groups[0].get("lr") if groups else None
         scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
         values: list[torch.Tensor | None] = [loss_t.float().reshape(()), gnorm,
-                                             lr if isinstance(lr, torch.Tensor) else None, scale]
+                                             lr if isinstance(lr, torch.Tensor) else None, scale,
+                                             batch_check(batch)]
         host_batch, nbytes = self.copies.copy(batch)
         self.copies.clear()
         entry = RingEntry(step=n, batch=host_batch, rng=self._rng, record=None, nbytes=nbytes)
@@ -137,7 +138,7 @@ class StepRecorder:
         if layers:
             self.latest.layers = dict(layers)
         fields = {"step": n, "step_s": step_s, "time_s": self.wall(), "optimizer_skipped": skipped,
-                  "layers": layers or None,
+                  "layers": layers or None, "param_nonfinite": params_nonfinite(layers),
                   "rank": self.rank, "grads_carried": self.grads_carried,
                   "lr": float(lr) if lr is not None and not isinstance(lr, torch.Tensor) else None}
         event = self.readback.push(n, values, fields, entry)
@@ -186,9 +187,16 @@ class StepRecorder:
                 if p.grad is not None}
 
     # ------------------------------------------------------------- snapshots
-    def take_snapshot(self, step: int) -> None:
+    def initial_snapshot(self) -> None:
+        """The state before the first step, so a fault in the first steps has a clean snapshot
+        (see :mod:`.snapshots`); RAM ring only, replaced by the first step's own snapshot."""
+        self.take_snapshot(self.n, initial=True)
+        self._rng = self._rng_reader.read()
+
+    def take_snapshot(self, step: int, initial: bool = False) -> None:
         """Copy model + optimizer (+ scheduler, scaler, carried grads) state to host as the state
-        before ``step``; async from CUDA, with an event the writers wait on."""
+        before ``step``; async from CUDA, with an event the writers wait on. ``initial``: the
+        one at attach (not written to the on-disk ring, and the cadence does not restart)."""
         t0 = self._clock()
         # Gradients are part of the state only in a loop that does not zero them before the
         # forward (no zero_grad, or accumulation across steps): then the next step adds to them.
@@ -200,9 +208,9 @@ class StepRecorder:
             event.record()
         snap = Snapshot(step=step, state=host, event=event, nbytes=nbytes)
         self.ring.add_snapshot(snap)
-        if self.disk is not None:
+        if self.disk is not None and not initial:
             self.disk.add_snapshot(snap)
-        self.schedule.taken(self._clock() - t0)
+        self.schedule.taken(self._clock() - t0, initial=initial)
 
     # -------------------------------------------------------------- captures
     def flush_incident(self) -> None:

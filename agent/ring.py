@@ -161,7 +161,10 @@ class Ring:
         self.nbytes = 0
 
     def add_snapshot(self, snap: Snapshot) -> None:
-        """Keep ``snap``; drop steps older than the oldest snapshot still kept."""
+        """Keep ``snap`` (in place of one of the same step); drop steps older than the oldest
+        snapshot still kept."""
+        if self.snapshots and self.snapshots[-1].step == snap.step:
+            self.snapshots.pop()  # the initial snapshot, retaken at the first step
         self.snapshots.append(snap)
         oldest = self.snapshots[0].step
         while self.entries and self.entries[0].step < oldest:

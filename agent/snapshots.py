@@ -2,6 +2,12 @@
 cost ``snapshot_budget`` of step time, and bounded so the ring always holds a whole span
 (snapshot .. offending step + ``post_steps``). No snapshot is taken while an incident is open:
 the one before it must stay in the ring.
+
+A first snapshot is taken at attach, before step 0 (``initial``): without it a fault in the
+steps before the first snapshot (an optimizer step that breaks the parameters at step 0, in a
+loop whose model forward the agent never sees) had no clean snapshot, so no capture and no
+replay (issue 10). It costs one snapshot copy at attach and no memory beyond the ring's two
+snapshots: it is one of them, and the first step's own snapshot (same step) replaces it.
 """
 
 from __future__ import annotations
@@ -31,9 +37,15 @@ class SnapshotSchedule:
         self._cost_s = 0.0
         self._step_times: deque[float] = deque(maxlen=20)
 
-    def taken(self, cost_s: float) -> None:
-        """A snapshot was taken; it cost ``cost_s`` seconds of the training thread."""
+    def taken(self, cost_s: float, initial: bool = False) -> None:
+        """A snapshot was taken; it cost ``cost_s`` seconds of the training thread.
+
+        ``initial``: the one at attach; the first step still takes its own (the state may
+        change between attach and step 0, e.g. a checkpoint loaded after attach).
+        """
         self._cost_s = max(self._cost_s * 0.5, cost_s)
+        if initial:
+            return
         self.due = False
         self._since = 0
 

@@ -137,7 +137,16 @@ class Watch:
                                  clock=clock, wall_clock=wall_clock,
                                  peers=peer_incidents(self.run_id, self.rank, world) if self.enabled else None)
         log.info("sentineld: run %s rank %d: %s", self.run_id, self.rank, self.memory.describe())
+        self._initial_snapshot()
         EXITS.register(self)
+
+    def _initial_snapshot(self) -> None:
+        if not self.enabled:
+            return
+        try:
+            self._rec.initial_snapshot()
+        except Exception as exc:  # noqa: BLE001 - the agent must never break training
+            self._disable(exc)
 
     def _install_hooks(self) -> None:
         model, optimizer = self.model, self.optimizer
@@ -239,6 +248,8 @@ class Watch:
         if self._rec.step_started or self._rec.ring.entries:  # a snapshot or record already numbered
             raise ValueError("start_at() must be called before the first step starts")
         self._rec.n = int(step)
+        self._rec.ring.snapshots.clear()  # the initial snapshot, numbered again
+        self._initial_snapshot()
 
     # ------------------------------------------------------------------ step
     def step(self, loss: torch.Tensor | float, batch: Any = None) -> None:

@@ -62,7 +62,8 @@ class StepRecord:
             declared; None when not checked.
         param_nonfinite: True when a parameter held nan/inf after the step (checked on sampled
             steps only; None otherwise).
-        input_nonfinite: True when a floating tensor of the batch held nan/inf (sampled steps).
+        input_nonfinite: True when a floating tensor of the batch held nan/inf (every step; None
+            when the batch has no floating tensor).
         layers: per-module :class:`LayerStats` on sampled steps, keyed by qualified module name.
     """
 

@@ -14,6 +14,17 @@ Rules (all from the design; ``sentineld.daemon.service`` carries them out):
 - in a multi-rank run a new alert is held ``rank_grace_s`` so it names every rank; one that
   clears while held was never sent and gets no recovery notice;
 - a signature that stops firing gets a recovery notice at the run's last step;
+- ``nonfinite`` is an incident, not a threshold that flaps: it clears only after
+  ``REARM_STEPS`` finite steps (:mod:`sentineld.contracts.nonfinite`), so a new incident after
+  a recovery is alerted whatever ``alert_interval_s`` says, and one whose verdict comes at a
+  later step with ``finite_steps_before >= REARM_STEPS`` (it recovered and broke again between
+  two evaluations) is the old one recovered plus a new alert;
+- a notified alert stays active at least ``min_firing_s`` after it was sent, so an incident over
+  within seconds (``nonfinite`` now clears 20 finite steps after the NaN) still reaches
+  Alertmanager's ``group_wait``; it clears at a later evaluation, or at once when the run ends;
+- when every rank of a run has ended, its signatures are closed (``closed``): no longer active in
+  ``status``, no recovery notice (nothing recovered), and its Alertmanager page stays open (an
+  incident a run ended in is not over for on-call; issue 16); held alerts are sent first;
 - a notified alert that more ranks join is re-posted to Alertmanager, so the page lists every
   rank (issue 16); when a run's last active signature clears, its incident is over.
 """
@@ -22,6 +33,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
+
+from sentineld.contracts.nonfinite import REARM_STEPS
 
 __all__ = ["Active", "Decision", "merge_verdicts", "transitions", "decide", "due_holds",
            "active_from_dict"]
@@ -94,6 +107,7 @@ class Decision:
         resolved_quietly: cleared suppressed alerts: Alertmanager resolve only, no notice.
         dropped_holds: keys of held alerts that cleared before they were sent.
         grown: notified alerts that more ranks joined (Alertmanager re-post only, no notice).
+        closed: alerts of a run that ended, dropped from the active set (no notice, no resolve).
         incident_over: something cleared and nothing is active any more (the incident's verdict
             and crash alerts resolve with it).
     """
@@ -106,18 +120,26 @@ class Decision:
     resolved_quietly: list[Active] = field(default_factory=list)
     dropped_holds: list[str] = field(default_factory=list)
     grown: list[Active] = field(default_factory=list)
+    closed: list[Active] = field(default_factory=list)
     incident_over: bool = False
 
     @property
     def changed(self) -> bool:
         """True when something started or stopped firing (the run's progress must be saved)."""
         return bool(self.alert or self.hold or self.suppressed or self.recovered
-                    or self.resolved_quietly or self.dropped_holds)
+                    or self.resolved_quietly or self.dropped_holds or self.closed)
+
+
+def _new_incident(saved: Mapping[str, Any], a: Active) -> bool:
+    """True when ``a`` (firing now) is a later incident of the same signature than ``saved``."""
+    return (a.signature == "nonfinite" and a.step > int(saved.get("step", a.step))
+            and float(a.numbers.get("finite_steps_before", 0) or 0) >= REARM_STEPS)
 
 
 def decide(active: Mapping[str, Mapping[str, Any]], per_rank: Mapping[int, Sequence[Any]], *,
            now_s: float, last_alert_s: Mapping[str, float], held: Iterable[str], multi_rank: bool,
-           alert_interval_s: float, rank_grace_s: float) -> Decision:
+           alert_interval_s: float, rank_grace_s: float, ended: bool = False,
+           min_firing_s: float = 0.0) -> Decision:
     """Apply the module's rules to one evaluation of a run.
 
     Args:
@@ -129,6 +151,8 @@ def decide(active: Mapping[str, Mapping[str, Any]], per_rank: Mapping[int, Seque
         multi_rank: the run has more than one rank (``world_size > 1``).
         alert_interval_s: see the module docstring (daemon config).
         rank_grace_s: see the module docstring.
+        ended: every rank of the run wrote its ``end`` record.
+        min_firing_s: see the module docstring (``sentineld.daemon.service.MIN_FIRING_S``).
 
     Returns:
         A :class:`Decision`; its ``active`` is a new dict.
@@ -139,8 +163,12 @@ def decide(active: Mapping[str, Mapping[str, Any]], per_rank: Mapping[int, Seque
     new: dict[str, dict[str, Any]] = {k: dict(v) for k, v in active.items()}
     for v in new.values():
         v["ranks"] = list(v.get("ranks", []))
-    fired, cleared = transitions(new.keys(), current)
+    held_now = set(held)
     out = Decision(active=new)
+    for key, a in current.items():  # recovered and broke again between two evaluations
+        if key in new and key not in held_now and _new_incident(new[key], a):
+            _clear(out, key, held_now)
+    fired, cleared = transitions(new.keys(), current)
     for key, a in current.items():
         if key in new:  # ranks that show a firing signature later join it
             ranks = new[key]["ranks"]
@@ -150,7 +178,7 @@ def decide(active: Mapping[str, Mapping[str, Any]], per_rank: Mapping[int, Seque
                 out.grown.append(active_from_dict(new[key]))
     for a in fired:
         last = last_alert_s.get(a.key)
-        if last is not None and now_s - last < alert_interval_s:
+        if a.signature != "nonfinite" and last is not None and now_s - last < alert_interval_s:
             new[a.key] = {**asdict(a), "notified": True, "suppressed": True}
             out.suppressed.append(a)
             continue
@@ -159,18 +187,29 @@ def decide(active: Mapping[str, Mapping[str, Any]], per_rank: Mapping[int, Seque
             out.hold[a.key] = now_s + rank_grace_s
         else:
             out.alert.append(a)
-    held_now = set(held)
     for key in cleared:
-        d = new.pop(key)
-        a = active_from_dict(d)
-        if key in held_now:
-            out.dropped_holds.append(key)
-        if d.get("suppressed"):
-            out.resolved_quietly.append(a)
-        elif key not in held_now:
-            out.recovered.append(a)
-    out.incident_over = bool(cleared) and not new
+        sent = last_alert_s.get(key)
+        if (not ended and sent is not None and now_s - sent < min_firing_s
+                and not new[key].get("suppressed") and key not in held_now):
+            continue  # over, but announced at a later evaluation (Alertmanager's group_wait)
+        _clear(out, key, held_now)
+    if ended:
+        for key in [k for k in new if k not in held_now and k not in out.hold]:
+            out.closed.append(active_from_dict(new.pop(key)))
+    out.incident_over = bool(out.recovered or out.resolved_quietly or out.dropped_holds) and not new
     return out
+
+
+def _clear(out: Decision, key: str, held_now: set[str]) -> None:
+    """Move ``key`` out of ``out.active`` into the list that says how it ends."""
+    d = out.active.pop(key)
+    a = active_from_dict(d)
+    if key in held_now:
+        out.dropped_holds.append(key)
+    if d.get("suppressed"):
+        out.resolved_quietly.append(a)
+    elif key not in held_now:
+        out.recovered.append(a)
 
 
 def due_holds(held: Mapping[tuple[str, str], float], now_s: float) -> list[tuple[str, str]]:

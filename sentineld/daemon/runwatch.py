@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from sentineld.contracts.nonfinite import is_nonfinite, recovered_at
 from sentineld.contracts.records import StepRecord, record_from_json
 from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, read_run_meta
 from sentineld.contracts.stream import CHUNK_BYTES, StreamTail, read_lines
@@ -56,7 +57,9 @@ class RunWatch:
     Streams are read a bounded chunk at a time (:data:`sentineld.contracts.stream.CHUNK_BYTES`) and handed
     out at most ``max_records`` step records per rank per :meth:`poll`, so a daemon catching up
     on a long stream holds a bounded slice of it and evaluates every part of it (a window of
-    ``window`` records, evaluated every ``window // 2`` records, sees every record).
+    ``window`` records, evaluated every ``window // 2`` records, sees every record). A slice
+    also ends at each non-finite record that follows a finite one, so two incidents read in one
+    go (a daemon catching up on a run that recovered and broke again) are alerted both.
     """
 
     run_dir: Path
@@ -83,6 +86,7 @@ class RunWatch:
     _consumed: dict[int, int] = field(default_factory=dict)
     _starts: dict[int, deque[int]] = field(default_factory=dict)
     _quiet_until: dict[int, int] = field(default_factory=dict)
+    _last_bad: dict[int, bool] = field(default_factory=dict)
 
     @property
     def run_id(self) -> str:
@@ -95,6 +99,19 @@ class RunWatch:
         if self.meta is not None and self.meta.started_s:
             return f"{self.run_id}@{self.meta.started_s!r}"
         return self.run_id
+
+    @property
+    def all_ended(self) -> bool:
+        """Every rank wrote its ``end`` record (the run finished, crashed or was stopped)."""
+        return bool(self.tails) and len(self.ended) >= len(self.tails)
+
+    def recovery_step(self, signature: str, since_step: int, last: int) -> int:
+        """The step a recovery notice names: for ``nonfinite``, where its incident (begun at
+        ``since_step``) was over, which the notice may follow later; else ``last``."""
+        if signature != "nonfinite":
+            return last
+        steps = [s for recs in self.records.values() if (s := recovered_at(list(recs), since_step)) is not None]
+        return min(steps, default=last)
 
     @property
     def behind(self) -> bool:
@@ -162,6 +179,10 @@ class RunWatch:
                     if end > self._quiet_until.get(rank, -1):
                         new.setdefault(rank, []).append(rec)
                         handed += 1
+                        bad, was_bad = is_nonfinite(rec), self._last_bad.get(rank, False)
+                        self._last_bad[rank] = bad
+                        if bad and not was_bad and max_records is not None:
+                            break  # an incident may start here: evaluated before more is read
                 elif kind == "start":
                     self.pids[rank] = _as_int(obj.get("pid"))
                     self.hosts[rank] = str(obj.get("host", ""))[:255]

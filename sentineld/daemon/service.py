@@ -78,6 +78,10 @@ RUN_JSON_GRACE_S = 10.0
 #: Seconds a multi-rank run's new alert waits for the other ranks' streams (our measurement: DDP
 #: ranks on one host flush their NaN step within ~0.3 s of each other).
 RANK_GRACE_S = 2.0
+#: The shortest a notified alert stays active: longer than the shipped Alertmanager
+#: ``group_wait`` for pages (10 s, deploy/alertmanager/alertmanager.yml), so an incident that is
+#: over within seconds is still paged, then resolved.
+MIN_FIRING_S = 15.0
 
 
 class Daemon:
@@ -310,7 +314,9 @@ class Daemon:
         while True:
             new, caps = rw.poll(max_records=max(1, self.cfg.window // 2))
             more = rw.behind
-            if new:
+            # An ended run with signatures still active is evaluated once more to close them
+            # (its end record may come in a read of its own, with no step record).
+            if new or (rw.active and not more and rw.all_ended):
                 self._evaluate(rw, live=not more)
             if rw.notices:
                 self.notifier.agent_notices(rw)
@@ -382,7 +388,8 @@ class Daemon:
         d = decide(rw.active, per_rank, now_s=now, last_alert_s=rw.last_alert_s,
                    held=[k for (run, k) in self._held if run == str(rw.run_dir)],
                    multi_rank=rw.meta is not None and rw.meta.world_size > 1,
-                   alert_interval_s=self.cfg.alert_interval_s, rank_grace_s=RANK_GRACE_S)
+                   alert_interval_s=self.cfg.alert_interval_s, rank_grace_s=RANK_GRACE_S,
+                   ended=rw.all_ended, min_firing_s=MIN_FIRING_S)
         rw.active = d.active
         self._act(rw, d)
 
@@ -394,19 +401,23 @@ class Daemon:
             self.notifier.am_fire_quietly(rw, a)
             log.info("run %s: %s fired again at step %d within %g s of its last alert: not "
                      "notified (alert_interval_s)", rw.run_id, a.key, a.step, self.cfg.alert_interval_s)
+        # What cleared is resolved before anything fires: a nonfinite incident that recovered
+        # and broke again is the same Alertmanager alert, resolved and then fired anew.
+        last = max(rw.last_step.values(), default=0)
+        for a in d.resolved_quietly:
+            self.notifier.am_resolve(rw, a)
+        for a in d.recovered:
+            self.notifier.recovery(rw, a, rw.recovery_step(a.signature, a.step, last))
         for key, until in d.hold.items():
             self._held[(run_key, key)] = until
         for a in d.alert:
             self._alert(rw, a)
         for key in d.dropped_holds:
             self._held.pop((run_key, key), None)
-        last = max(rw.last_step.values(), default=0)
-        for a in d.resolved_quietly:
-            self.notifier.am_resolve(rw, a)
-        for a in d.recovered:
-            self.notifier.recovery(rw, a, last)
         for a in d.grown:
             self.notifier.am_refresh(rw, a)
+        for a in d.closed:  # the run ended: nothing fires any more, and nothing recovered
+            log.info("run %s ended: %s closed (its Alertmanager page stays open)", rw.run_id, a.key)
         if d.incident_over:
             self.notifier.am_resolve_extras(rw)
         if d.changed:
@@ -436,6 +447,8 @@ class Daemon:
             for key in keys:
                 if key in rw.active:
                     self._alert(rw, active_from_dict(rw.active[key]))
+            if keys and rw.all_ended:
+                self._evaluate(rw)  # sent: now close what a finished run left active
 
     def _update_active_gauge(self, rw: RunWatch) -> None:
         g = self._metrics.get("active")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from sentineld.contracts.nonfinite import INPUT_REASON, is_nonfinite, nonfinite_reasons
+from sentineld.contracts.nonfinite import INPUT_REASON, current_incident, nonfinite_reasons
 from sentineld.contracts.records import StepRecord
 
 from .base import Verdict, finite, make_verdict, step_of, trailing
@@ -81,36 +81,41 @@ class LossScaleConfig:
 
 
 def detect_nonfinite(records: Sequence[StepRecord], config: NonfiniteConfig) -> list[Verdict]:
-    """Report the first step in the window with a nan/inf loss, gradient, learning rate, parameter
-    or input (the rule of :mod:`sentineld.contracts.nonfinite`, shared with the agent).
+    """Report the first step of the non-finite incident open at the end of the window: a nan/inf
+    loss, gradient, learning rate, parameter or input (the rule of
+    :mod:`sentineld.contracts.nonfinite`, shared with the agent, which captures that same step).
+
+    An incident followed by ``REARM_STEPS`` finite steps is over (nothing is reported, so the
+    daemon sends the recovery notice), and a later non-finite step is a new incident, reported at
+    its own first step with ``finite_steps_before`` >= ``REARM_STEPS`` (so the policy alerts it
+    even when the previous one was never seen to clear).
 
     Args:
         records: step records, oldest first.
         config: thresholds.
 
     Returns:
-        One critical verdict at the first non-finite step in the window, or nothing.
+        One critical verdict at the incident's first step, or nothing.
     """
     if not config.enabled:
         return []
-    first = None
-    count = 0
-    for r in records:
-        if is_nonfinite(r):
-            count += 1
-            if first is None:
-                first = r
-    if first is None:
+    inc = current_incident(records)
+    if inc is None:
         return []
+    first = records[inc.first]
     first_reasons = nonfinite_reasons(first) or ["value"]
     data = INPUT_REASON in first_reasons
     step = step_of(first)
-    msg = (f"non-finite {', '.join(first_reasons)} at step {step} "
-           f"({count} of the last {len(records)} steps non-finite)")
+    span = len(records) - inc.first
+    seen = ("the newest step" if span == 1 else
+            f"{inc.nonfinite_steps} of the {span} steps {step}-{step_of(records[-1])} non-finite")
+    msg = f"non-finite {', '.join(first_reasons)} at step {step} ({seen})"
     numbers = {"loss": getattr(first, "loss", None), "grad_norm": getattr(first, "grad_norm", None),
-               "nonfinite_steps": count}
+               "nonfinite_steps": inc.nonfinite_steps}
     if any(x.startswith("learning rate") for x in first_reasons):
         numbers["lr"] = getattr(first, "lr", None)
+    if inc.finite_before:
+        numbers["finite_steps_before"] = inc.finite_before
     return [make_verdict("nonfinite", step, msg, numbers,
                          DATA_NONFINITE_FIX if data else NONFINITE_FIX)]
 

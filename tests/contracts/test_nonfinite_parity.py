@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from sentineld.agent import attach
 from sentineld.contracts.capture import open_capture
-from sentineld.contracts.nonfinite import is_nonfinite, nonfinite_reasons
+from sentineld.contracts.nonfinite import REARM_STEPS, current_incident, is_nonfinite, nonfinite_reasons, recovered_at
 from sentineld.contracts.records import StepRecord, record_from_json
 from sentineld.contracts.rundir import list_captures
 from sentineld.signatures import evaluate
@@ -91,3 +91,48 @@ def test_rule_table(fields, reasons):
     rec = StepRecord(**{"step": 3, "loss": 1.0, "grad_norm": 1.0, "lr": 0.1, **fields})
     assert nonfinite_reasons(rec) == reasons
     assert is_nonfinite(rec) is bool(reasons)
+
+
+# Incidents: when one is over and the next begins, the same for the agent's captures and the
+# daemon's alerts. Each pattern is a string: "x" a non-finite step, "." a finite one.
+def _records(pattern: str) -> list[StepRecord]:
+    return [StepRecord(step=i, loss=float("nan") if c == "x" else 1.0, grad_norm=1.0, lr=0.1)
+            for i, c in enumerate(pattern)]
+
+
+R = REARM_STEPS
+
+
+@pytest.mark.parametrize("pattern,first,verdict_step", [
+    ("." * 5, [], None),
+    ("." * 5 + "x" + "." * (R - 1), [5], 5),                         # not yet recovered
+    ("." * 5 + "x" + "." * R, [5], None),                            # recovered: cleared
+    ("." * 5 + "x" + "." * (R - 1) + "x", [5], 5),                   # same incident
+    ("." * 5 + "x" + "." * R + "x", [5, 6 + R], 6 + R),              # recovered, then a new one
+    ("." * 5 + "xx.x" + "." * 50 + "xxx", [5, 59], 59),              # the 50 finite steps
+])
+def test_agent_incidents_and_daemon_verdict_follow_one_rule(pattern, first, verdict_step):
+    from sentineld.agent.incidents import IncidentPolicy
+    from sentineld.signatures.numerics import NonfiniteConfig, detect_nonfinite
+
+    records = _records(pattern)
+    policy = IncidentPolicy(REARM_STEPS, post_steps=0)
+    opened = [inc.step for inc in (policy.observe(r)[1] for r in records) if inc is not None]
+    assert opened == first
+    verdicts = detect_nonfinite(records, NonfiniteConfig())
+    assert [v.step for v in verdicts] == ([] if verdict_step is None else [verdict_step])
+    inc = current_incident(records)
+    assert (inc is None) is (verdict_step is None)
+    if inc is not None and len(first) == 2:
+        assert inc.finite_before >= REARM_STEPS  # what tells the policy it is a new incident
+
+
+def test_an_incident_older_than_the_window_is_a_continuation():
+    inc = current_incident(_records("xxxx" + "." * 3 + "x"))
+    assert inc is not None and (inc.first, inc.nonfinite_steps, inc.finite_before) == (0, 5, 0)
+
+
+def test_recovered_at_names_the_last_of_the_finite_steps_that_ended_it():
+    records = _records("." * 5 + "xx.x" + "." * 50 + "x")
+    assert recovered_at(records, 5) == 8 + REARM_STEPS
+    assert recovered_at(records[:8 + REARM_STEPS], 5) is None

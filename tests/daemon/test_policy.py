@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from sentineld.contracts.nonfinite import REARM_STEPS
 from sentineld.daemon.policy import Active, decide, due_holds, merge_verdicts, transitions
 
 
@@ -25,9 +26,14 @@ def _saved(sig: str, step: int = 3, ranks=(0,), **extra) -> dict:
             "severity": "critical", "message": "m", "numbers": {}, "fix": "f", "notified": True, **extra}
 
 
-def _decide(active, per_rank, now=100.0, last=None, held=(), multi=False):
+def _decide(active, per_rank, now=100.0, last=None, held=(), multi=False, ended=False, min_firing=0.0):
     return decide(active, per_rank, now_s=now, last_alert_s=last or {}, held=held, multi_rank=multi,
-                  alert_interval_s=60.0, rank_grace_s=2.0)
+                  alert_interval_s=60.0, rank_grace_s=2.0, ended=ended, min_firing_s=min_firing)
+
+
+def _again(step: int, before: int) -> V:
+    """A nonfinite verdict for an incident ``before`` finite steps after the previous one."""
+    return V("nonfinite", step, numbers={"finite_steps_before": before})
 
 
 # (name, active before, verdicts per rank, last alert, held, multi-rank,
@@ -51,6 +57,15 @@ ROWS = [
      {}, ("nonfinite",), True, [], [], [], [], [], ["nonfinite"], []),
     ("nonfinite masks the others", {}, {0: [V("nonfinite", 5), V("dead_relu", 5, "fc"), V("stalled", 5)]},
      {}, (), False, ["nonfinite", "stalled"], [], [], [], [], [], ["nonfinite", "stalled"]),
+    ("nonfinite again after its recovery: alerts within alert_interval_s", {},
+     {0: [V("nonfinite", 61)]}, {"nonfinite": 70.0}, (), False,
+     ["nonfinite"], [], [], [], [], [], ["nonfinite"]),
+    ("nonfinite recovered and broke again between two evaluations: recovery + alert",
+     {"nonfinite": _saved("nonfinite", 10)}, {0: [_again(61, REARM_STEPS)]}, {"nonfinite": 99.0}, (), False,
+     ["nonfinite"], [], [], ["nonfinite"], [], [], ["nonfinite"]),
+    ("nonfinite at a later step without a recovery before it: the same incident",
+     {"nonfinite": _saved("nonfinite", 10)}, {0: [_again(61, REARM_STEPS - 1)]}, {}, (), False,
+     [], [], [], [], [], [], ["nonfinite"]),
     ("module keys are separate", {}, {0: [V("dead_relu", 5, "a"), V("dead_relu", 5, "b")]}, {}, (), False,
      ["dead_relu@a", "dead_relu@b"], [], [], [], [], [], ["dead_relu@a", "dead_relu@b"]),
 ]
@@ -116,3 +131,42 @@ def test_incident_is_over_only_when_the_last_signature_clears():
     assert _decide({"stalled": _saved("stalled")}, {0: []}).incident_over is True
     assert _decide({}, {0: []}).incident_over is False  # nothing cleared: no incident ended
     assert _decide({}, {0: [V("plateau", 9)]}).incident_over is False
+
+
+def test_an_ended_run_closes_its_signatures_without_a_recovery_notice():
+    d = _decide({"nonfinite": _saved("nonfinite", 5)}, {0: [V("nonfinite", 5)]}, ended=True)
+    assert [a.key for a in d.closed] == ["nonfinite"] and d.recovered == [] and d.alert == []
+    assert d.active == {} and d.changed
+    assert not d.incident_over  # its page (and the verdict in it) stays for on-call
+
+
+def test_an_ended_run_alerts_what_it_showed_then_closes_it():
+    d = _decide({}, {0: [V("nonfinite", 5)]}, ended=True)
+    assert [a.key for a in d.alert] == ["nonfinite"] and [a.key for a in d.closed] == ["nonfinite"]
+    assert d.active == {}
+
+
+def test_an_ended_run_keeps_a_held_alert_until_it_is_sent():
+    d = _decide({}, {0: [V("nonfinite", 5)]}, multi=True, ended=True)
+    assert sorted(d.hold) == ["nonfinite"] and d.closed == [] and sorted(d.active) == ["nonfinite"]
+    held = _decide({"nonfinite": _saved("nonfinite", 5, notified=False)}, {0: [V("nonfinite", 5)]},
+                   held=("nonfinite",), multi=True, ended=True)
+    assert held.closed == [] and sorted(held.active) == ["nonfinite"]
+
+
+def test_a_running_run_closes_nothing():
+    d = _decide({"nonfinite": _saved("nonfinite", 5)}, {0: [V("nonfinite", 5)]})
+    assert d.closed == [] and sorted(d.active) == ["nonfinite"] and not d.changed
+
+
+def test_an_alert_cleared_within_min_firing_s_is_announced_later():
+    """A NaN over within seconds still reaches Alertmanager's group_wait (tests/deploy/test_oncall)."""
+    saved = {"nonfinite": _saved("nonfinite", 5)}
+    young = _decide(saved, {0: []}, now=105.0, last={"nonfinite": 100.0}, min_firing=15.0)
+    assert young.recovered == [] and sorted(young.active) == ["nonfinite"] and not young.incident_over
+    old = _decide(saved, {0: []}, now=116.0, last={"nonfinite": 100.0}, min_firing=15.0)
+    assert [a.key for a in old.recovered] == ["nonfinite"] and old.active == {} and old.incident_over
+    ended = _decide(saved, {0: []}, now=105.0, last={"nonfinite": 100.0}, min_firing=15.0, ended=True)
+    assert [a.key for a in ended.recovered] == ["nonfinite"] and ended.closed == []  # it did recover
+    again = _decide(saved, {0: [_again(61, REARM_STEPS)]}, now=105.0, last={"nonfinite": 100.0}, min_firing=15.0)
+    assert [a.key for a in again.recovered] == ["nonfinite"] and [a.step for a in again.alert] == [61]

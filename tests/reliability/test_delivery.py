@@ -26,9 +26,13 @@ def _alert_ids(daemon) -> list[str]:
     return [n["id"] for n in daemon.notifications() if n["kind"] == "alert"]
 
 
+# The runs below stay non-finite to their end (a divergence): one alert each, no recovery notice
+# (20 finite steps after a NaN end its incident: test_rate_limit_spares_a_new_nonfinite_incident...).
+
+
 def test_smtp_down_then_up_alert_arrives_once(smtp, make_daemon):
     daemon = make_daemon(notify=[smtp.url], extra=["--no-replay"], config=FAST_RETRY)
-    write_run(daemon.runs_dir, "down", 40, {12})
+    write_run(daemon.runs_dir, "down", 40, set(range(12, 40)))
     # The alert is in the outbox (and the log) while the mail server is down, and retried.
     wait_until(lambda: _alert_ids(daemon), 30, "the alert in the notifications log")
     wait_until(lambda: daemon.status().get("delivery_failures", 0) >= 3, 30, "three failed attempts")
@@ -50,7 +54,7 @@ def test_sigkill_during_send_before_the_server_took_it(smtp, make_daemon):
     smtp.start()
     smtp.inbox.rcpt_delay_s = 30
     daemon = make_daemon(notify=[smtp.url], extra=["--no-replay"], config=FAST_RETRY)
-    write_run(daemon.runs_dir, "mid-send", 30, {7})
+    write_run(daemon.runs_dir, "mid-send", 30, set(range(7, 30)))
     assert smtp.inbox.in_rcpt.wait(30), "the daemon never reached the SMTP server"
     daemon.kill()
     [note] = list(_outbox(daemon))
@@ -72,7 +76,7 @@ def test_sigkill_inside_the_send_gives_one_marked_copy_with_the_same_id(smtp, ma
     smtp.start()
     smtp.inbox.after_data_delay_s = 30
     daemon = make_daemon(notify=[smtp.url], extra=["--no-replay"], config=FAST_RETRY)
-    write_run(daemon.runs_dir, "in-doubt", 30, {7})
+    write_run(daemon.runs_dir, "in-doubt", 30, set(range(7, 30)))
     assert smtp.inbox.in_data.wait(30), "the message never reached the SMTP server"
     daemon.kill()
     smtp.inbox.after_data_delay_s = 0
@@ -104,7 +108,7 @@ def test_failing_destination_is_retried_and_the_others_not_resent(smtp, sink, ma
     smtp.start()
     sink.status = 500
     daemon = make_daemon(notify=[smtp.url, sink.url], extra=["--no-replay"], config=FAST_RETRY)
-    write_run(daemon.runs_dir, "partial", 30, {9})
+    write_run(daemon.runs_dir, "partial", 30, set(range(9, 30)))
     wait_until(lambda: len(sink.posts) >= 2, 30, "retries to the failing webhook")
     assert len(smtp.inbox.messages) == 1
     daemon.kill()  # mid-retry
@@ -126,7 +130,7 @@ def test_random_daemon_kills_during_a_burst_lose_nothing(smtp, sink, make_daemon
     daemon = make_daemon(notify=[smtp.url, sink.url], extra=["--no-replay"], config=FAST_RETRY)
     n_runs = 12
     for i in range(n_runs):
-        write_run(daemon.runs_dir, f"burst-{i:02d}", 30, {5 + i})
+        write_run(daemon.runs_dir, f"burst-{i:02d}", 30, set(range(5 + i, 30)))
     rng = random.Random(3)
     kills = 0
     for _ in range(6):
@@ -154,16 +158,21 @@ def test_random_daemon_kills_during_a_burst_lose_nothing(smtp, sink, make_daemon
           f"duplicates 0, marked repeats {mail_dups + hook_dups} (in-doubt resends {resent})")
 
 
-def test_rate_limit_per_run_and_signature_and_recovery_notice(make_daemon):
+def test_rate_limit_spares_a_new_nonfinite_incident_and_recovery_notices(make_daemon):
     daemon = make_daemon(extra=["--no-replay"], config={"alert_interval_s": 3600.0})
-    # NaN at step 5 (alert), gone from the 200-step window at 205 (recovery notice), NaN again
-    # at 300: within the interval, tracked but not notified (and neither is its recovery).
+    # NaN at step 5 (alert), 20 finite steps later it is over (recovery notice), NaN again at 300:
+    # a new incident, alerted within alert_interval_s (issue 10: a run that recovered and broke
+    # again got no second alert), and over again 20 steps later. alert_interval_s still limits
+    # the signatures that flap (tests/daemon/test_policy.py).
     write_run(daemon.runs_dir, "flap", 700, {5, 300})
-    wait_until(lambda: daemon.status().get("alerts_suppressed") == 1 and
-               daemon.status()["runs"][0]["last_step"] == 699, 30, "the whole stream evaluated")
+    wait_until(lambda: len(daemon.notifications()) == 4 and
+               [r["last_step"] for r in daemon.status().get("runs", [])] == [699], 30,
+               "the whole stream evaluated")
     time.sleep(0.6)
     kinds = [(n["kind"], n["signature"], n["step"]) for n in daemon.notifications()]
     assert kinds[0] == ("alert", "nonfinite", 5)
-    assert kinds[1][0] == "recovery" and kinds[1][1] == "nonfinite"
-    assert len(kinds) == 2
+    assert kinds[1][:2] == ("recovery", "nonfinite")
+    assert kinds[2] == ("alert", "nonfinite", 300)
+    assert kinds[3][:2] == ("recovery", "nonfinite")
+    assert len(kinds) == 4 and daemon.status().get("alerts_suppressed") == 0
     assert "RESOLVED nonfinite" in daemon.notifications()[1]["title"]

@@ -103,6 +103,8 @@ def test_sigkill_at_random_points(zygote, make_daemon, tmp_path):
         assert "on-disk ring" in check_capture(cap)["message"]
     ring_killed = sum(1 for t in trials if t[1] == "ring" and t[4] == -signal.SIGKILL)
     assert len(crash_caps) >= ring_killed // 2, f"{len(crash_caps)} crash captures from {ring_killed} killed ring runs"
+    # status.json is rewritten on the daemon's next tick after a recovery: wait for it, then exact
+    wait_until(lambda: daemon.status()["rings_recovered"] >= len(crash_caps), 10, "status counts the recoveries")
     assert daemon.status()["rings_recovered"] == len(crash_caps)
     print(f"captures opened and complete: {complete + len(crash_caps)} ({len(crash_caps)} assembled from "
           f"on-disk rings), alerts: {len(alerts)} for {len(expected_alerts)} incidents (lost 0, duplicates 0)")

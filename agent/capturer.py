@@ -11,7 +11,6 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -46,10 +45,10 @@ class CaptureWriter:
         self._threads: list[threading.Thread] = []
 
     def start(self, trigger: str, step: int, snap: Snapshot, entries: list[RingEntry],
-              grads: Any, message: str) -> None:
+              message: str) -> None:
         """Start writing ``capture-rank<R>-step<step>-<trigger>.h5`` from ``snap`` and ``entries``."""
         path = RunDir(self.run_dir).capture(self.rank, step, trigger)
-        args = (path, trigger, step, snap, entries, grads, message)
+        args = (path, trigger, step, snap, entries, message)
         t = threading.Thread(target=self._write, args=args, name="sentineld-capture", daemon=True)
         self._threads.append(t)
         t.start()
@@ -60,7 +59,7 @@ class CaptureWriter:
             t.join(max(0.0, deadline - time.monotonic()))
 
     def _write(self, path: Path, trigger: str, step: int, snap: Snapshot,
-               entries: list[RingEntry], grads: Any, message: str) -> None:
+               entries: list[RingEntry], message: str) -> None:
         try:
             snap.wait()
             if self.device.type == "cuda":
@@ -69,7 +68,7 @@ class CaptureWriter:
                 path, run_id=self.run_id, rank=self.rank, trigger=trigger, first_step=step,
                 snapshot_step=snap.step, snapshot=snap.state,
                 steps=[CaptureStep(e.step, e.batch, e.rng) for e in entries],
-                records=[e.record for e in entries if e.record is not None], grads=grads,
+                records=[e.record for e in entries if e.record is not None],
                 message=message, forward_calls=self.localizer.calls_for(entries) if self.localizer else None)
         except Exception as exc:  # noqa: BLE001 - disk full etc.: training goes on
             log.warning("sentineld: capture %s not written: %s (training continues)", path.name, exc)

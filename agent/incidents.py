@@ -25,12 +25,11 @@ __all__ = ["Incident", "IncidentPolicy", "batch_check", "params_nonfinite"]
 
 @dataclass
 class Incident:
-    """An open incident: its trigger, first step, gradients at that step (when read in time)."""
+    """An open incident: its trigger, first step and what went non-finite (the capture's message)."""
 
     trigger: str
     step: int
     message: str
-    grads: Any = None
 
 
 class IncidentPolicy:

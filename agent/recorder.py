@@ -165,7 +165,7 @@ class StepRecorder:
 
     def resolve_ready(self) -> None:
         """Turn every step whose values landed into its record: stream, exporter, incidents."""
-        for record, entry, step in self.readback.ready():
+        for record, entry, _step in self.readback.ready():
             obj = record_to_json(record)
             entry.record = obj
             lt = self.latest
@@ -175,16 +175,8 @@ class StepRecorder:
             bad, opened = self.incidents.observe(record)
             lt.nonfinite_total += int(bad)
             self.stream.put(obj, urgent=bad)
-            if opened is not None and step == self.n - 1:
-                opened.grads = self._grads_now()
             if opened is not None and self.peers is not None:
                 self.peers.publish(opened.step)  # other ranks capture this step too
-
-    def _grads_now(self) -> dict[str, torch.Tensor]:
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        return {names.get(id(p), f"param{i}"): p.grad.detach().to("cpu", copy=True)
-                for i, p in enumerate(q for g in self.optimizer.param_groups for q in g["params"])
-                if p.grad is not None}
 
     # ------------------------------------------------------------- snapshots
     def initial_snapshot(self) -> None:
@@ -219,10 +211,9 @@ class StepRecorder:
         if inc is None:
             return
         last = self.ring.entries[-1].step if self.ring.entries else inc.step
-        self.capture(inc.trigger, inc.step, inc.grads, inc.message, last=max(inc.step, last))
+        self.capture(inc.trigger, inc.step, inc.message, last=max(inc.step, last))
 
-    def capture(self, trigger: str, step: int, grads: dict[str, torch.Tensor] | None,
-                message: str, last: int | None = None) -> None:
+    def capture(self, trigger: str, step: int, message: str, last: int | None = None) -> None:
         """Start writing a capture from ``step`` to ``last`` (default ``step``) out of the ring."""
         end = step if last is None else last
         # A snapshot taken at step N holds the state step N-1 made: when N-1's optimizer step
@@ -236,11 +227,11 @@ class StepRecorder:
                              "message": "no clean snapshot in the ring; capture skipped"}, urgent=True)
             return
         snap, entries = span
-        self.writer.start(trigger, step, snap, entries, grads, message)
+        self.writer.start(trigger, step, snap, entries, message)
 
     def peer_captures(self) -> None:
         """Capture the steps where another rank opened an incident (agent/peers.py)."""
         for step, rank in self.peers.take() if self.peers is not None else []:
             last = self.ring.entries[-1].step if self.ring.entries else step
-            self.capture(NONFINITE, step, None, f"rank {rank} went non-finite at step {step}: this rank's "
+            self.capture(NONFINITE, step, f"rank {rank} went non-finite at step {step}: this rank's "
                          "capture of the step, for the DDP replay", last=max(step, last))

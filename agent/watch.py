@@ -279,7 +279,7 @@ class Watch:
         if not self.enabled or not rec.ring.entries:
             return
         rec.flush_incident()
-        rec.capture(trigger, rec.ring.entries[-1].step, None, message)
+        rec.capture(trigger, rec.ring.entries[-1].step, message)
 
     # -------------------------------------------------------------- lifetime
     def _disable(self, exc: BaseException) -> None:

@@ -10,12 +10,12 @@ Layout (schema version 1)::
     /steps/<step>/batch_tree, /steps/<step>/batch/<i>     the batch of that step
     /steps/<step>/rng_meta, /steps/<step>/rng/<name>      RNG states at that step's first forward
     /records               JSON string: list of StepRecord dicts for S..N (and any after N)
-    /grads/names, /grads/<i>   gradients at N as the agent saw them before the optimizer step
-                           (optional; names is a JSON list, i its index)
     /forward/<step>/tree, /forward/<step>/<i>   the model's top-level forward call of that step,
                            ``{"args": [...], "kwargs": {...}}`` (optional: forward-only runs)
 
 Snapshot S is the state *before* step S ran, so re-executing steps S..N-1 gives the state before N.
+The gradients at N are not stored: the replay makes them again, bit for bit, from S and the batches
+(captures written before this change may hold a ``/grads`` group; readers ignore it).
 Nothing is pickled: trees are JSON and tensors are datasets. A capture is written to
 ``<name>.h5.tmp``, fsynced and renamed, so a capture on disk is whole or absent.
 """
@@ -285,7 +285,6 @@ def write_capture(
     snapshot: Mapping[str, Any] | EncodedTree,
     steps: Iterable[CaptureStep | EncodedStep],
     records: Iterable[Mapping[str, Any]],
-    grads: Mapping[str, Any] | None = None,
     message: str = "",
     forward_calls: Mapping[int, Any] | None = None,
     estimate_bytes: int | None = None,
@@ -298,7 +297,6 @@ def write_capture(
             holding CPU tensors; the state before ``snapshot_step`` ran.
         steps: the steps ``snapshot_step..first_step`` (at least), with batches and RNG states.
         records: per-step scalar records (JSON-ready dicts).
-        grads: parameter name -> gradient tensor at ``first_step`` (optional evidence).
         forward_calls: step -> ``{"args": tuple, "kwargs": dict}`` of the model's top-level forward
             (recorded for runs with neither loss_fn nor recipe; optional). A call holding a value
             with no JSON form is left out, never the capture.
@@ -323,7 +321,7 @@ def write_capture(
         if isinstance(snapshot, EncodedTree) or any(isinstance(st, EncodedStep) for st in steps):
             raise ValueError("write_capture: encoded data (EncodedTree, EncodedStep) needs estimate_bytes")
         estimate_bytes = (tree_bytes(dict(snapshot)) + sum(tree_bytes(st.batch) for st in steps)
-                          + tree_bytes(grads or {}) + tree_bytes(dict(forward_calls or {})))
+                          + tree_bytes(dict(forward_calls or {})))
 
     def fill(f: Any) -> None:
         f.attrs.update(
@@ -340,14 +338,6 @@ def write_capture(
         for st in steps:
             write_step(sg.create_group(str(st.step)), st)
         put_dataset(f, "records", json.dumps(records))
-        if grads:
-            # By index with a JSON list of names: a parameter name may hold "/" (nn.ModuleDict
-            # keys), which HDF5 would read as a group path.
-            gg = f.create_group("grads")
-            put_dataset(gg, "names", json.dumps(list(grads)))
-            for i, t in enumerate(grads.values()):
-                arr, dtype = tensor_to_numpy(t)
-                put_dataset(gg, str(i), arr).attrs["torch_dtype"] = dtype
         if forward_calls:
             _write_forward(f.create_group("forward"), forward_calls)
 
@@ -447,18 +437,6 @@ class Capture:
     def records(self) -> list[dict[str, Any]]:
         """Per-step scalar records stored with the capture."""
         return self._guard(lambda: json.loads(_read_str(self._f["records"])), "records")
-
-    def grads(self) -> dict[str, Any]:
-        """Gradients at ``first_step`` as recorded, by parameter name ({} if not stored)."""
-        if not self._guard(lambda: "grads" in self._f, "grads"):
-            return {}
-        def load() -> dict[str, Any]:
-            g = self._f["grads"]
-            names = json.loads(_read_str(g["names"]))
-            return {str(n): _numpy_to_tensor(read_dataset(g[str(i)]), str(g[str(i)].attrs["torch_dtype"]))
-                    for i, n in enumerate(names)}
-
-        return self._guard(load, "grads")
 
     def forward_calls(self) -> dict[int, Any]:
         """step -> ``{"args": tuple, "kwargs": dict}`` of the model's recorded top-level forward

@@ -101,7 +101,6 @@ def test_one_capture_per_incident_and_rearm(tmp_path):
         assert cap.first_step == 15 and cap.snapshot_step == 10
         assert cap.steps == list(range(10, 18))  # post_steps=2 after the offending step
         assert torch.isnan(cap.step(15).batch[0][0, 0])
-        assert set(cap.grads()) == {n for n, _ in m.named_parameters()}
     assert watch.captures == caps
 
 

@@ -47,8 +47,7 @@ def _write(tmp_path, **kw):
     rng = capture_rng()
     args = dict(run_id="r1", rank=0, trigger="nonfinite", first_step=11, snapshot_step=10, snapshot=state,
                 steps=[CaptureStep(10, batch, rng), CaptureStep(11, batch, rng)],
-                records=[{"step": 10, "loss": 1.5}, {"step": 11, "loss": float("nan")}],
-                grads={"0.weight": torch.full((3, 4), float("inf"))})
+                records=[{"step": 10, "loss": 1.5}, {"step": 11, "loss": float("nan")}])
     args.update(kw)
     return write_capture(tmp_path / "capture-rank0-step000000011-nonfinite.h5", **args), state, batch, rng
 
@@ -67,7 +66,6 @@ def test_round_trip_restores_every_tensor_dtype_key_type_and_rng(tmp_path):
         assert _equal(st.batch, batch)
         assert torch.isnan(st.batch["x"][0, 1])
         assert math.isnan(cap.records()[1]["loss"])
-        assert torch.isinf(cap.grads()["0.weight"]).all()
         # The restored RNG draws the same numbers as the original.
         restore_rng(dict(rng))
         want = (torch.rand(3), np.random.rand(), random.random())

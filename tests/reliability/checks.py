@@ -25,7 +25,6 @@ def check_capture(path: Path) -> dict[str, Any]:
             assert st.batch is not None
         records = cap.records()
         assert isinstance(records, list)
-        cap.grads()
         return {"trigger": cap.trigger, "first_step": cap.first_step, "snapshot_step": cap.snapshot_step,
                 "steps": steps, "records": len(records), "message": cap.message}
 

@@ -26,14 +26,22 @@ import json
 import math
 import os
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from sentineld.contracts.errors import BadInput
+from sentineld.contracts.capture_data import (
+    CaptureError,
+    CrcPool,
+    numpy_to_tensor,
+    put_dataset,
+    read_dataset,
+    read_str,
+    tensor_to_numpy,
+    torch_module,
+)
 from sentineld.contracts.h5write import tree_bytes, write_h5_atomic
 from sentineld.contracts.treecodec import TreeCodecError, decode, encode
 
@@ -52,13 +60,6 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-
-
-class CaptureError(BadInput):
-    """A capture cannot be read: truncated, not HDF5, unknown schema, or missing a step.
-
-    The message says what is wrong and what to do; the CLI maps it to exit code 2.
-    """
 
 
 @dataclass(frozen=True)
@@ -101,129 +102,6 @@ class EncodedStep:
     rng: EncodedRng | None
 
 
-def _torch():
-    import torch  # noqa: PLC0415 - the daemon lists captures without importing torch
-
-    return torch
-
-
-_NUMPY_UNSUPPORTED = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
-
-
-def tensor_to_numpy(t: Any) -> tuple[np.ndarray, str]:
-    torch = _torch()
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if t.is_sparse:  # sparse gradients (SparseAdam): evidence, stored dense
-        t = t.to_dense()
-    dtype = str(t.dtype).removeprefix("torch.")
-    if dtype in _NUMPY_UNSUPPORTED:
-        t = t.view(getattr(torch, _NUMPY_UNSUPPORTED[dtype]))
-    return t.contiguous().numpy(), dtype
-
-
-def _numpy_to_tensor(arr: np.ndarray, dtype: str) -> Any:
-    torch = _torch()
-    a = np.asarray(arr)
-    if not a.flags.writeable:  # h5py returns fresh writable arrays: copy only when it did not
-        a = a.copy()
-    t = torch.from_numpy(a)
-    if dtype in _NUMPY_UNSUPPORTED:
-        t = t.view(getattr(torch, dtype))
-    return t
-
-
-#: A dataset may declare at most this many bytes per byte of its file (and at least 64 MiB in
-#: all): the agent writes uncompressed data, so a capture's datasets add up to about its size; a
-#: 721 kB file declaring an unwritten 60000x60000 gzip dataset once drove a replay to 14.4 GB.
-DECLARED_BYTES_PER_FILE_BYTE = 16
-MIN_DATASET_LIMIT_BYTES = 64 << 20
-
-
-class CrcPool:
-    """CRC-32 of big arrays on a second thread while HDF5 writes the next one (zlib's crc32
-    releases the GIL): the checksum then costs little wall time beyond the write itself.
-    :meth:`finish` waits and stores each ``crc32`` attribute, on the calling thread."""
-
-    #: Arrays smaller than this are checksummed inline (a thread hop costs more than their CRC).
-    MIN_BYTES = 1 << 20
-
-    def __init__(self) -> None:
-        from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
-
-        self._ex = ThreadPoolExecutor(1, thread_name_prefix="sentineld-crc")
-        self._pending: list[tuple[Any, Any]] = []
-
-    def add(self, ds: Any, view: Any) -> None:
-        """Checksum ``view`` (kept alive until :meth:`finish`) into ``ds.attrs["crc32"]``."""
-        self._pending.append((ds, self._ex.submit(zlib.crc32, view)))
-
-    def finish(self) -> None:
-        """Store every pending checksum; then the pool is closed."""
-        try:
-            for ds, fut in self._pending:
-                ds.attrs["crc32"] = fut.result()
-        finally:
-            self._pending.clear()
-            self._ex.shutdown(wait=True)
-
-
-def put_dataset(group: Any, name: str, data: Any, crc: CrcPool | None = None) -> Any:
-    """Create dataset ``name`` in ``group`` with a checksum, the one way capture data is written.
-
-    Every dataset gets a ``crc32`` attribute (zlib's CRC-32 of its bytes), checked by
-    :func:`read_dataset`: a flipped bit is then reported as corruption, not replayed as data.
-    Arrays are stored contiguous and unfiltered: the HDF5 fletcher32 filter this replaced needs
-    chunked storage and cost about twice a plain write (bench/capture_write.py); a capture
-    written with it still reads (HDF5 checks its filter on read). With ``crc``, a big array's
-    checksum is computed on the pool's thread and stored at ``crc.finish()``.
-    """
-    arr = np.asarray(data) if not isinstance(data, (str, bytes)) else None
-    if arr is not None and arr.ndim >= 1 and arr.size > 0 and arr.dtype.kind in "biufc":
-        arr = np.ascontiguousarray(arr)
-        ds = group.create_dataset(name, data=arr)
-        view = arr.view(np.uint8).reshape(-1).data  # a memoryview: no copy
-        if crc is not None and arr.nbytes >= CrcPool.MIN_BYTES:
-            crc.add(ds, view)
-        else:
-            ds.attrs["crc32"] = zlib.crc32(view)
-        return ds
-    ds = group.create_dataset(name, data=data)
-    ds.attrs["crc32"] = zlib.crc32(_raw(ds[()]))
-    return ds
-
-
-def _raw(val: Any) -> Any:
-    """The bytes a checksum covers: a bytes-like view, no copy for arrays."""
-    if isinstance(val, bytes):
-        return val
-    if isinstance(val, str):
-        return val.encode()
-    arr = np.ascontiguousarray(val)
-    return arr.view(np.uint8).reshape(-1).data if arr.ndim else arr.tobytes()
-
-
-def read_dataset(ds: Any) -> Any:
-    """The value of a capture dataset, its checksum verified.
-
-    Raises:
-        CaptureError: the stored checksum does not match (the file was altered after writing).
-    """
-    declared = int(ds.size or 0) * int(ds.dtype.itemsize or 1)
-    file_bytes = os.path.getsize(ds.file.filename)
-    if declared > max(MIN_DATASET_LIMIT_BYTES, DECLARED_BYTES_PER_FILE_BYTE * file_bytes):
-        raise CaptureError(f"{ds.file.filename}: dataset {ds.name} declares {declared} bytes, far more than "
-                           f"the {file_bytes}-byte file can hold; the capture was altered or crafted, "
-                           "it is not read (use another capture of this run)")
-    val = ds[()]
-    want = ds.attrs.get("crc32")
-    if want is not None and zlib.crc32(_raw(val)) != int(want):
-        raise CaptureError(f"{ds.file.filename}: dataset {ds.name} is corrupted (checksum mismatch); "
-                           "the capture was altered after it was written: use another capture of this run")
-    return val
-
-
 def _write_tree(group: Any, tree: Any, crc: CrcPool | None = None) -> None:
     if isinstance(tree, EncodedTree):
         put_dataset(group, "tree", json.dumps(tree.tree))
@@ -260,18 +138,13 @@ def write_snapshot(group: Any, snapshot: Mapping[str, Any] | EncodedTree, crc: C
 
 
 def _read_tree(group: Any) -> Any:
-    tree = json.loads(_read_str(group["tree"]))
+    tree = json.loads(read_str(group["tree"]))
 
     def tensor(i: int) -> Any:
         ds = group[str(i)]
-        return _numpy_to_tensor(read_dataset(ds), str(ds.attrs["torch_dtype"]))
+        return numpy_to_tensor(read_dataset(ds), str(ds.attrs["torch_dtype"]))
 
     return decode(tree, tensor)
-
-
-def _read_str(ds: Any) -> str:
-    val = read_dataset(ds)
-    return val.decode() if isinstance(val, bytes) else str(val)
 
 
 def write_capture(
@@ -327,7 +200,7 @@ def write_capture(
         f.attrs.update(
             schema_version=SCHEMA_VERSION, run_id=run_id, rank=rank, trigger=trigger,
             first_step=first_step, snapshot_step=snapshot_step, created_s=time.time(), message=message,
-            torch_version=str(_torch().__version__) if torch_version is None else torch_version,
+            torch_version=str(torch_module().__version__) if torch_version is None else torch_version,
         )
         crc = CrcPool()
         try:
@@ -428,7 +301,7 @@ class Capture:
             if "rng_meta" in g:
                 from sentineld.contracts.rng import rng_from_json  # noqa: PLC0415
 
-                meta = json.loads(_read_str(g["rng_meta"]))
+                meta = json.loads(read_str(g["rng_meta"]))
                 rng = rng_from_json(meta, {k: read_dataset(v) for k, v in g["rng"].items()})
             return CaptureStep(step=step, batch=batch, rng=rng)
 
@@ -436,7 +309,7 @@ class Capture:
 
     def records(self) -> list[dict[str, Any]]:
         """Per-step scalar records stored with the capture."""
-        return self._guard(lambda: json.loads(_read_str(self._f["records"])), "records")
+        return self._guard(lambda: json.loads(read_str(self._f["records"])), "records")
 
     def forward_calls(self) -> dict[int, Any]:
         """step -> ``{"args": tuple, "kwargs": dict}`` of the model's recorded top-level forward

@@ -152,7 +152,7 @@ def decide(active: Mapping[str, Mapping[str, Any]], per_rank: Mapping[int, Seque
         alert_interval_s: see the module docstring (daemon config).
         rank_grace_s: see the module docstring.
         ended: every rank of the run wrote its ``end`` record.
-        min_firing_s: see the module docstring (``sentineld.daemon.service.MIN_FIRING_S``).
+        min_firing_s: see the module docstring (``sentineld.daemon.alerting.MIN_FIRING_S``).
 
     Returns:
         A :class:`Decision`; its ``active`` is a new dict.

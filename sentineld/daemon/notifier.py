@@ -311,7 +311,7 @@ class Notifier:
         """Send what Alertmanager should hear now (retried on the next call when it fails)."""
         if self.am is None or not url:
             return
-        from sentineld.daemon.alertmanager import flush  # noqa: PLC0415
+        from sentineld.daemon.am_active import flush  # noqa: PLC0415
 
         try:
             with self.am_lock:

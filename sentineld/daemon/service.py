@@ -171,7 +171,8 @@ class Daemon(Alerting):
         stack.callback(obs.join, 5)
         stack.callback(obs.stop)
         if self.cfg.alertmanager_url:
-            from sentineld.daemon.alertmanager import DAEMON_HOLD_S, ActiveAlerts  # noqa: PLC0415
+            from sentineld.daemon.alertmanager import DAEMON_HOLD_S  # noqa: PLC0415
+            from sentineld.daemon.am_active import ActiveAlerts  # noqa: PLC0415
 
             # Held 24 h past each re-send: a stopped daemon does not resolve an incident (issue 16).
             self.notifier.am = ActiveAlerts(resend_s=60.0, hold_s=DAEMON_HOLD_S)

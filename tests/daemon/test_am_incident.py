@@ -84,7 +84,8 @@ def test_a_run_whose_model_class_imports_gets_a_forward_only_verdict_not_no_reci
 
 
 def _notifier(tmp_path, clock):
-    from sentineld.daemon.alertmanager import DAEMON_HOLD_S, ActiveAlerts
+    from sentineld.daemon.alertmanager import DAEMON_HOLD_S
+    from sentineld.daemon.am_active import ActiveAlerts
     from sentineld.daemon.notifier import Notifier
     from sentineld.daemon.outbox import Outbox
 

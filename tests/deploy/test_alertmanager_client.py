@@ -13,14 +13,13 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from sentineld.daemon.alertmanager import (
-    ActiveAlerts,
     AlertmanagerError,
     alert_labels,
     alertname_for,
-    flush,
     post_alerts,
     to_am_alert,
 )
+from sentineld.daemon.am_active import ActiveAlerts, flush
 
 from .helpers import HttpSink, Server, free_port, http_json, wait_for
 

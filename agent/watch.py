@@ -109,7 +109,7 @@ class Watch:
                                     run_id, scheduler=scheduler, scaler=scaler, num_classes=num_classes,
                                     accumulation_steps=accumulation_steps, clip_grad_norm=clip_grad_norm,
                                     max_bytes=cfg.ring_bytes)
-        files = open_run_files(Path(runs_dir or default_runs_dir()), run_id, self.rank, world,
+        files = open_run_files(Path(runs_dir or default_runs_dir()).expanduser(), run_id, self.rank, world,
                                recipe=recipe, recipe_args=dict(recipe_args or {}),
                                num_classes=num_classes, flush_s=cfg.flush_s,
                                wall_clock=wall_clock, extra=run_extra(self._live, localize, self._inner))

@@ -225,7 +225,7 @@ def default_runs_dir() -> Path:
     ``$SENTINELD_RUNS_DIR``, else ``<user state dir>/sentineld/runs`` (platformdirs)."""
     env = os.environ.get("SENTINELD_RUNS_DIR")
     if env:
-        return Path(env)
+        return Path(env).expanduser()   # a quoted "~/runs" in a unit file or .env is not expanded by a shell
     import platformdirs  # noqa: PLC0415
 
     return Path(platformdirs.user_state_dir("sentineld")) / "runs"

@@ -94,24 +94,33 @@ def sampled_at(step: int, every: int, dense: int = DENSE_STEPS, first: int = 0) 
     return step % every == 0
 
 
+def _wide(device: torch.device) -> torch.dtype:
+    """The dtype norms are taken in: float64 where the device has it (a float32 parameter with
+    elements near 1e20 has a float32 L2 norm of inf although every element is finite, and the
+    non-finite rule would then call its parameters non-finite), float32 elsewhere (MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 def _norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """L2 norm of each tensor as a float32 0-dim tensor on its device (fused where possible)."""
+    """L2 norm of each tensor as a 0-dim tensor on its device in :func:`_wide` precision (fused
+    where possible): inf only when an element is inf, nan when one is nan."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         if t.is_sparse:
-            out[i] = torch.linalg.vector_norm(t.coalesce()._values().float())
+            out[i] = torch.linalg.vector_norm(t.coalesce()._values(), dtype=_wide(t.device))
         else:
             groups.setdefault((t.device, t.dtype), []).append(i)
-    for idx in groups.values():
+    for (device, _), idx in groups.items():
         ts = [tensors[i] for i in idx]
+        wide = _wide(device)
         ns: Any
         try:
-            ns = torch._foreach_norm(ts, 2, dtype=torch.float32)
+            ns = torch._foreach_norm(ts, 2, dtype=wide)
         except (RuntimeError, AttributeError, TypeError):
-            ns = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in ts]
+            ns = [torch.linalg.vector_norm(t, dtype=wide) for t in ts]
         for i, n in zip(idx, ns):
-            out[i] = n.float()
+            out[i] = n.to(wide)
     return out  # type: ignore[return-value]
 
 
@@ -303,8 +312,9 @@ class ProbeHandle:
             host: list[float] = []
             if vals:
                 dev = vals[0].device
-                if any(v.device != dev or v.dtype != torch.float32 for v in vals):
-                    vals = [v.to(dev, torch.float32) for v in vals]
+                wide = _wide(dev)  # float32 would turn a 1e20-element norm back into inf
+                if any(v.device != dev or v.dtype != wide for v in vals):
+                    vals = [v.to(dev, wide) for v in vals]
                 host = torch.stack(vals).tolist()     # the one device-to-host transfer
 
         def l2(idx: list[int]) -> float | None:

@@ -79,3 +79,31 @@ def test_batch_check_rule():
     assert math.isnan(float(batch_check((torch.tensor([inf]), torch.tensor([-inf])))))  # inf - inf
     assert params_nonfinite(None) is None and params_nonfinite({"a": LayerStats()}) is None
     assert params_nonfinite({"a": LayerStats(param_norm=1.0), "b": LayerStats(param_norm=nan)}) is True
+
+
+def test_huge_but_finite_parameters_are_not_called_non_finite(tmp_path):
+    # Regression (`sentineld demo --fault lr`): weights near 1e20 made the float32 L2 norm of the
+    # module inf, so the alert said "parameters of fc1, fc2, head" were non-finite while every
+    # element was finite (the replay showed fc2's weight all finite, up to 9e23).
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
+    opt = torch.optim.SGD(m.parameters(), 0.0)
+    with attach(m, opt, run_id="huge", runs_dir=tmp_path, metrics_port=0, localize="off",
+                capture_on_sigterm=False) as watch:
+        for i in range(4):
+            opt.zero_grad()
+            loss = m(torch.ones(3, 4)).sum() * 0.0  # finite, whatever the weights
+            loss.backward()
+            opt.step()
+            if i == 1:
+                with torch.no_grad():
+                    m[0].weight.fill_(1e20)  # finite; squared it overflows float32
+            watch.step(loss, batch=torch.ones(3, 4))
+        with torch.no_grad():
+            m[2].bias[0] = float("inf")  # an element that is inf: this one counts
+        opt.zero_grad()
+        watch.step(m(torch.ones(3, 4)).sum().detach(), batch=torch.ones(3, 4))  # a sampled forward
+    recs = _records(watch.run_dir)
+    assert [r.param_nonfinite for r in recs[:4]] == [False, False, False, False]
+    assert math.isfinite(recs[2].layers["0"].param_norm) and recs[2].layers["0"].param_norm > 1e21
+    assert recs[4].param_nonfinite is True

@@ -59,10 +59,11 @@ def _call(spec: str, trust: bool, what: str) -> Any:
 
 def render(checks: list[Check]) -> None:
     """Print the checks as a rich table, then the per-module output shapes."""
-    from rich.console import Console  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
 
-    console = Console()
+    from sentineld.console import console as make_console  # noqa: PLC0415
+
+    console = make_console()  # piped output is not cut at 80 columns
     table = Table(title="sentineld preflight", show_lines=True)
     for col in ("#", "check", "status", "what was seen", "fix"):
         table.add_column(col, overflow="fold")

@@ -162,7 +162,7 @@ def _point_overfit_at_failures(checks: list[Check]) -> list[Check]:
     names = [c.name for c in checks if c.status == FAIL and c.name not in ("overfit_one_batch", "lr_range")]
     out = []
     for c in checks:
-        if c.name == "overfit_one_batch" and c.status != "PASS" and names:
+        if c.name == "overfit_one_batch" and c.status not in ("PASS", SKIP) and names:
             c = dataclasses.replace(c, evidence=c.evidence | {"look_first_at": names},
                                     fix=f"first fix the failed checks above ({', '.join(names)}); " + c.fix)
         out.append(c)

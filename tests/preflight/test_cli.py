@@ -44,6 +44,12 @@ MODULE = textwrap.dedent('''
         ds = torch.utils.data.TensorDataset(x, (x @ w).argmax(1))
         return torch.utils.data.DataLoader(ds, batch_size=32, shuffle=True)
 
+    def shifted():  # labels 1..5 for a 5-class loss: every loss raises
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 20, generator=g)
+        ds = torch.utils.data.TensorDataset(x, torch.randint(1, 6, (64,), generator=g))
+        return torch.utils.data.DataLoader(ds, batch_size=32)
+
     def no_data():
         return None
 
@@ -117,3 +123,18 @@ def test_module_writable_by_others_is_refused(workdir: Path, monkeypatch: pytest
     r = CliRunner().invoke(cli, ["preflight", "pftrain:make_recipe", "--data", "pftrain:data"])
     assert r.exit_code == 2
     assert "writable by group or others" in r.output and "--trust" in r.output
+
+
+def test_piped_table_is_not_cut_and_blocked_checks_name_their_blocker_once(workdir: Path) -> None:
+    # Regression (a new user): piped, the table wrapped at 80 columns; the overfit check, blocked
+    # by the labels, said "first fix the failed checks above (labels); fix the labels check first".
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    env["OMP_NUM_THREADS"] = "1"
+    r = subprocess.run([str(SENTINELD), "preflight", "pftrain:make_recipe", "--data", "pftrain:shifted"],
+                       cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    rows = [line for line in r.stdout.splitlines() if "overfit_one_batch" in line]
+    assert len(rows) == 1 and "SKIP" in rows[0], r.stdout
+    assert "fix the labels check first, then rerun preflight" in rows[0]  # whole, on its row
+    assert "first fix the failed checks above" not in r.stdout
+    assert "1 fail, 8 not run (blocked by a failed check)" in r.stdout

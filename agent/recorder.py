@@ -66,6 +66,7 @@ class StepRecorder:
                  probes: Any, rank: int, device: torch.device, clock: Callable[[], float],
                  wall_clock: Callable[[], float], peers: PeerIncidents | None = None) -> None:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self._lazy_done = False
         self.config, self.stream, self.latest, self.writer = config, stream, latest, writer
         self.disk, self.live, self.probes, self.rank, self.device = disk, live, probes, rank, device
         self._clock, self.wall = clock, wall_clock
@@ -189,14 +190,28 @@ class StepRecorder:
     # ------------------------------------------------------------- snapshots
     def initial_snapshot(self) -> None:
         """The state before the first step, so a fault in the first steps has a clean snapshot
-        (see :mod:`.snapshots`); RAM ring only, replaced by the first step's own snapshot."""
+        (see :mod:`.snapshots`); RAM ring only, replaced by the first step's own snapshot.
+        Skipped while a lazy module is not initialized (its parameters have no values before
+        the first forward; the first snapshot due after it is then the first one)."""
         self.take_snapshot(self.n, initial=True)
         self._rng = self._rng_reader.read()
+
+    def _lazy_pending(self) -> bool:
+        """True while a lazy module's parameters have no values (before its first forward,
+        which runs after the step's forward pre-hook): no snapshot can copy them yet."""
+        if self._lazy_done:
+            return False
+        lazy = torch.nn.parameter.UninitializedTensorMixin
+        pending = any(isinstance(t, lazy) for t in (*self.model.parameters(), *self.model.buffers()))
+        self._lazy_done = not pending
+        return pending
 
     def take_snapshot(self, step: int, initial: bool = False) -> None:
         """Copy model + optimizer (+ scheduler, scaler, carried grads) state to host as the state
         before ``step``; async from CUDA, with an event the writers wait on. ``initial``: the
         one at attach (not written to the on-disk ring, and the cadence does not restart)."""
+        if self._lazy_pending():
+            return
         t0 = self._clock()
         # Gradients are part of the state only in a loop that does not zero them before the
         # forward (no zero_grad, or accumulation across steps): then the next step adds to them.

@@ -1,0 +1,81 @@
+"""Inputs a real user produces that broke the agent (breaker pass): a lazy module not yet
+initialized at attach, a nested-tensor batch, and finite batches whose float32 sum overflows."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sentineld.agent import attach
+from sentineld.contracts.capture import open_capture
+
+from .conftest import problems, stream
+
+
+def _train(tmp_path, model, make_batch, name, nan_at=None, steps=6):
+    """Train ``steps`` steps of a 4 -> 2 classifier; returns (watch, step records)."""
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = attach(model, opt, run_id=name, runs_dir=tmp_path / "runs", metrics_port=0)
+    g = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        x, y = torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        if i == nan_at:
+            loss = loss * float("nan")
+        loss.backward()
+        opt.step()
+        w.step(loss, batch=make_batch(x, y))
+    w.close()
+    return w, [o for o in stream(w.run_dir) if o["kind"] == "step"]
+
+
+def test_lazy_linear_not_initialized_at_attach_is_watched_and_captured(tmp_path):
+    # attach raised ValueError("Attempted to use an uninitialized parameter ...") into the loop;
+    # then the attach snapshot and the step-0 snapshot (taken before the lazy forward) disabled it.
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 2))
+    w, recs = _train(tmp_path, model, lambda x, y: (x, y), "lazy", nan_at=3)
+    assert not problems(w.run_dir), problems(w.run_dir)
+    assert [r["step"] for r in recs] == list(range(6))
+    assert len(w.captures) == 1
+    with open_capture(w.captures[0]) as cap:
+        assert cap.step(3).batch[0].shape == (8, 4)
+
+
+def test_nested_tensor_batch_keeps_the_agent_enabled(tmp_path):
+    # hasattr(nested, "shape") raises RuntimeError, which disabled the agent at the first step.
+    model = nn.Linear(4, 2)
+    w, recs = _train(tmp_path, model, lambda x, y: torch.nested.nested_tensor([x[:3], x[:5]]), "nested")
+    assert not problems(w.run_dir), problems(w.run_dir)
+    assert len(recs) == 6 and all(r["input_nonfinite"] is None for r in recs)
+
+
+def test_finite_batch_whose_float32_sum_overflows_is_not_called_nonfinite(tmp_path):
+    # An additive attention mask of finfo(float32).min sums to -inf: every step was marked
+    # input_nonfinite and a false incident capture was written at step 0.
+    mask = torch.full((8, 8), torch.finfo(torch.float32).min)
+    w, recs = _train(tmp_path, nn.Linear(4, 2), lambda x, y: {"x": x, "mask": mask, "y": y}, "mask")
+    assert [r["input_nonfinite"] for r in recs] == [False] * 6
+    assert w.captures == []
+
+
+def test_float64_features_above_float32_range_are_not_called_nonfinite(tmp_path):
+    w, recs = _train(tmp_path, nn.Linear(4, 2), lambda x, y: (x.double() * 1e300, y), "f64")
+    assert [r["input_nonfinite"] for r in recs] == [False] * 6
+    assert w.captures == []
+
+
+def test_a_real_inf_next_to_an_overflowing_mask_is_still_called_nonfinite(tmp_path):
+    mask = torch.full((8, 8), torch.finfo(torch.float32).min)
+
+    def batch(x, y):
+        x = x.clone()
+        if batch.n == 2:
+            x[0, 0] = float("inf")
+        batch.n += 1
+        return {"x": x, "mask": mask}
+    batch.n = 0
+    w, recs = _train(tmp_path, nn.Linear(4, 2), batch, "maskinf")
+    assert [r["input_nonfinite"] for r in recs] == [False, False, True, False, False, False]

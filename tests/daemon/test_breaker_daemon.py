@@ -29,3 +29,32 @@ def test_wrong_typed_saved_alerts_are_skipped_and_the_good_one_restored(tmp_path
     assert [(a["labels"], a["annotations"], a["startsAt"]) for a in due] == [
         (good["labels"], good["annotations"], good["startsAt"])]
     assert caplog.text.count("not restored") == 4
+
+
+def _status_cli(state_dir):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "sentineld", "status", "--state-dir", str(state_dir)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_status_json_of_the_wrong_type_is_no_status_not_a_traceback(tmp_path):
+    # status.json holding a JSON list: AttributeError: 'list' object has no attribute 'get'.
+    (tmp_path / "status.json").write_text("[1, 2]")
+    r = _status_cli(tmp_path)
+    assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout.strip() == f"sentineld daemon: not running (state dir {tmp_path})"
+
+
+def test_status_of_a_running_daemon_with_an_older_status_json_shows_what_it_has(tmp_path):
+    # A status.json lacking keys (another daemon version) raised KeyError: 'runs_watched'.
+    from filelock import FileLock
+
+    (tmp_path / "status.json").write_text(json.dumps({"runs_dir": "/data/runs", "runs": [{"run_id": "r1"}, 7]}))
+    (tmp_path / "daemon.pid").write_text("4242")
+    with FileLock(str(tmp_path / "daemon.lock")):  # held as a running daemon holds it
+        r = _status_cli(tmp_path)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "running (pid 4242), runs dir /data/runs" in r.stdout
+    assert "runs watched: ?" in r.stdout and "notify: log only" in r.stdout and "r1" in r.stdout

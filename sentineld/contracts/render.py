@@ -151,7 +151,7 @@ def render_verdict(report: Any, fmt: str = "text") -> tuple[str, str]:
     Raises:
         ValueError: ``fmt`` is not one of :data:`FORMATS`.
     """
-    r: Mapping[str, Any] = report if isinstance(report, Mapping) else _as_dict(report)
+    r: Mapping[str, Any] = _one_line_names(report if isinstance(report, Mapping) else _as_dict(report))
     step, phase = r.get("step", "?"), r.get("phase", "none")
     mtype, node = r.get("module_type"), r.get("autograd_node")
     ev: Mapping[str, Any] = r.get("evidence") or {}
@@ -183,6 +183,23 @@ def render_verdict(report: Any, fmt: str = "text") -> tuple[str, str]:
     return _title(r), format_body("\n".join(lines) + "\n", fmt)
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\u2028\u2029]")
+
+
+def _one_line(v: str) -> str:
+    """``v`` with control characters written as escapes (``\\n``): a module name or run id
+    holding a line break would otherwise forge body lines, break out of the markdown fence or
+    split an email subject."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), v)
+
+
+def _one_line_names(r: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: _one_line(v) if isinstance(v, str) and k not in ("cause", "fix") else v for k, v in r.items()}
+    if isinstance(out.get("parameters"), list):
+        out["parameters"] = [_one_line(p) if isinstance(p, str) else p for p in out["parameters"]]
+    return out
+
+
 def _as_dict(report: Any) -> dict[str, Any]:
     from dataclasses import asdict  # noqa: PLC0415
 
@@ -209,6 +226,8 @@ def format_body(body: str, fmt: str) -> str:
         return ('<pre style="font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 13px; '
                 f'white-space: pre; overflow-x: auto">{html.escape(body.rstrip(chr(10)), quote=False)}</pre>\n')
     if fmt == "markdown":
-        fence = "~~~" if "```" in body else "```"
+        # Longer than any backtick run in the body: only a fence at least as long closes it
+        # (CommonMark), so no line of the body can end the code block early.
+        fence = "`" * max(3, 1 + max((len(m) for m in re.findall("`+", body)), default=0))
         return f"{fence}\n{body.rstrip(chr(10))}\n{fence}\n"
     raise ValueError(f"unknown output format {fmt!r}; expected one of {', '.join(FORMATS)}")

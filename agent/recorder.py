@@ -19,6 +19,7 @@ agent. Costs of each part: ``bench/step_profile.py``.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -67,6 +68,8 @@ class StepRecorder:
                  wall_clock: Callable[[], float], peers: PeerIncidents | None = None) -> None:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self._lazy_done = False
+        self._last_loss: weakref.ref[torch.Tensor] | None = None
+        self._dup_warned = False
         self.config, self.stream, self.latest, self.writer = config, stream, latest, writer
         self.disk, self.live, self.probes, self.rank, self.device = disk, live, probes, rank, device
         self._clock, self.wall = clock, wall_clock
@@ -115,6 +118,8 @@ class StepRecorder:
     # ------------------------------------------------------------------ step
     def record(self, loss: torch.Tensor | float, batch: Any) -> None:
         """Record one optimizer step (``watch.step``)."""
+        if self._duplicate(loss):
+            return
         n = self.n
         now = self._clock()
         step_s, self._t_last = now - self._t_last, now
@@ -145,6 +150,22 @@ class StepRecorder:
         event = self.readback.push(n, values, fields, entry)
         self.n += 1
         self._after(entry, event, forward_seen)
+
+    def _duplicate(self, loss: torch.Tensor | float) -> bool:
+        """True for a second ``watch.step`` of one step: the same loss tensor again, with no
+        forward and no optimizer step since the last call. Recorded, it would number a step
+        that did not happen, as an optimizer step skipped (a false "skipped steps" alert) and
+        shift every later step number off the loop's. Logged once; the call is ignored."""
+        last, self._last_loss = self._last_loss, (weakref.ref(loss) if isinstance(loss, torch.Tensor) else None)
+        if last is None or last() is not loss or self._pre_hook_ran or self.step_started:
+            return False
+        if not self._dup_warned:
+            self._dup_warned = True
+            msg = ("watch.step called again for the same step (same loss, no forward or optimizer step "
+                   "since); the extra calls are ignored: call it once per optimizer step")
+            log.warning("sentineld: %s", msg)
+            self.stream.put({"kind": "agent_warning", "step": self.n - 1, "message": msg}, urgent=True)
+        return True
 
     def _after(self, entry: RingEntry, event: Any, forward_seen: bool) -> None:
         self.resolve_ready()

@@ -79,3 +79,44 @@ def test_a_real_inf_next_to_an_overflowing_mask_is_still_called_nonfinite(tmp_pa
     batch.n = 0
     w, recs = _train(tmp_path, nn.Linear(4, 2), batch, "maskinf")
     assert [r["input_nonfinite"] for r in recs] == [False, False, True, False, False, False]
+
+
+def test_watch_step_called_twice_per_step_records_each_step_once(tmp_path):
+    # Each second call was recorded as a step of its own with optimizer_skipped=True: half the
+    # run looked like skipped optimizer steps and every step number was doubled.
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    w = attach(m, opt, run_id="twice", runs_dir=tmp_path / "runs", metrics_port=0)
+    for _ in range(4):
+        x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+        opt.zero_grad()
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        w.step(loss, batch=(x, y))
+        w.step(loss, batch=(x, y))
+    w.close()
+    recs = [o for o in stream(w.run_dir) if o["kind"] == "step"]
+    assert [(r["step"], r["optimizer_skipped"]) for r in recs] == [(i, False) for i in range(4)]
+    warns = [p["message"] for p in problems(w.run_dir)]
+    assert len(warns) == 1 and "watch.step called again for the same step" in warns[0]
+
+
+def test_a_skipped_optimizer_step_with_a_new_loss_is_still_recorded(tmp_path):
+    # The duplicate rule must not drop a real step whose optimizer step did not run.
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    w = attach(m, opt, run_id="skip", runs_dir=tmp_path / "runs", metrics_port=0)
+    for i in range(4):
+        x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+        opt.zero_grad()
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        if i != 2:
+            opt.step()
+        w.step(loss, batch=(x, y))
+    w.close()
+    recs = [o for o in stream(w.run_dir) if o["kind"] == "step"]
+    assert [(r["step"], r["optimizer_skipped"]) for r in recs] == [(0, False), (1, False), (2, True), (3, False)]

@@ -120,3 +120,25 @@ def test_a_skipped_optimizer_step_with_a_new_loss_is_still_recorded(tmp_path):
     w.close()
     recs = [o for o in stream(w.run_dir) if o["kind"] == "step"]
     assert [(r["step"], r["optimizer_skipped"]) for r in recs] == [(0, False), (1, False), (2, True), (3, False)]
+
+
+class _SparseRelu(nn.Module):
+    """torch.relu on a sparse COO activation in the forward (sparse features of a recommender)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.o = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.o(torch.relu(h.to_sparse()).to_dense() + F.relu(h))
+
+
+def test_a_sparse_activation_leaves_the_layer_probes_on(tmp_path):
+    # NotImplementedError("Could not run 'aten::gt.Scalar' ... 'SparseCPU'") switched every
+    # layer probe off for the rest of the run (no dead-unit, no parameter-norm figures).
+    w, recs = _train(tmp_path, _SparseRelu(), lambda x, y: (x, y), "sparse_act", steps=3)
+    assert not problems(w.run_dir), problems(w.run_dir)
+    # Dense early sampling: every one of the first steps has its figures.
+    assert all(r["layers"] and r["layers"]["a"]["param_norm"] is not None for r in recs), recs
+    assert [r["layers"][""]["dead_fraction"] for r in recs] == [0.0, 0.0, 0.0]  # the dense F.relu

@@ -193,10 +193,20 @@ def _one_line(v: str) -> str:
     return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), v)
 
 
+def _seq(v: Any) -> list[str]:
+    """A list field as strings: a verdict file from another version or a hand-edited one may
+    hold a number or a string where a list belongs (it raised out of the daemon's notifier)."""
+    items = v if isinstance(v, (list, tuple)) else ([] if v is None or v == "" else [v])
+    return [_one_line(str(x)) for x in items]
+
+
 def _one_line_names(r: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: _one_line(v) if isinstance(v, str) and k not in ("cause", "fix") else v for k, v in r.items()}
-    if isinstance(out.get("parameters"), list):
-        out["parameters"] = [_one_line(p) if isinstance(p, str) else p for p in out["parameters"]]
+    for k in ("parameters", "ranks"):
+        if k in out:
+            out[k] = _seq(out[k])
+    if not isinstance(out.get("evidence"), Mapping):
+        out["evidence"] = {}
     return out
 
 

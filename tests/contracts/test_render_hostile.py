@@ -34,3 +34,13 @@ def test_markdown_body_with_both_fence_kinds_stays_one_code_block():
     md = format_body("a\n```\n~~~\n*b* <!channel>\n", "markdown")
     lines = md.splitlines()
     assert lines[0] == lines[-1] == "````" and lines[1:-1] == ["a", "```", "~~~", "*b* <!channel>"]
+
+
+def test_a_verdict_with_wrong_typed_lists_renders_instead_of_raising():
+    # parameters [1, 2] raised TypeError (str.join), ranks 3 "'int' object is not iterable",
+    # evidence [1] AttributeError: out of the daemon's notifier, so the verdict was never sent.
+    r = _verdict("head")
+    r.update(parameters=[1, 2], ranks=3, evidence=[1])
+    for fmt in ("text", "html", "markdown"):
+        title, body = render_verdict(r, fmt)
+        assert "parameters: 1, 2" in body and title.endswith("module head, rank 3")

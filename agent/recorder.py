@@ -222,8 +222,8 @@ class StepRecorder:
         which runs after the step's forward pre-hook): no snapshot can copy them yet."""
         if self._lazy_done:
             return False
-        lazy = torch.nn.parameter.UninitializedTensorMixin
-        pending = any(isinstance(t, lazy) for t in (*self.model.parameters(), *self.model.buffers()))
+        is_lazy = torch.nn.parameter.is_lazy
+        pending = any(is_lazy(t) for t in (*self.model.parameters(), *self.model.buffers()))
         self._lazy_done = not pending
         return pending
 

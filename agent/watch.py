@@ -153,7 +153,7 @@ class Watch:
         opt_params = {id(p) for g in optimizer.param_groups for p in g["params"]}
         # A lazy (uninitialized) parameter has no numel until the first forward: not a probe.
         self._probe_param = min((p for p in model.parameters() if p.requires_grad and id(p) in opt_params
-                                 and not isinstance(p, torch.nn.parameter.UninitializedTensorMixin)),
+                                 and not torch.nn.parameter.is_lazy(p)),
                                 key=lambda p: p.numel(), default=None)
         self._hooks = [
             model.register_forward_pre_hook(self._on_forward, with_kwargs=True),

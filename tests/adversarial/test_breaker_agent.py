@@ -3,6 +3,9 @@ initialized at attach, a nested-tensor batch, and finite batches whose float32 s
 
 from __future__ import annotations
 
+import enum
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -142,3 +145,29 @@ def test_a_sparse_activation_leaves_the_layer_probes_on(tmp_path):
     # Dense early sampling: every one of the first steps has its figures.
     assert all(r["layers"] and r["layers"]["a"]["param_norm"] is not None for r in recs), recs
     assert [r["layers"][""]["dead_fraction"] for r in recs] == [0.0, 0.0, 0.0]  # the dense F.relu
+
+
+@pytest.mark.parametrize("kind", ["set", "bytes", "enum_key", "csr"])
+def test_an_unstorable_batch_leaf_costs_that_leaf_not_the_capture(tmp_path, kind):
+    # "capture not written: cannot store set at /s in a capture ...": the incident's capture
+    # (state, records, batch) was lost for one leaf of the batch.
+    makers = {"set": lambda x, y: {"x": x, "s": {1, 2}}, "bytes": lambda x, y: {"x": x, "raw": b"\x00"},
+              "enum_key": lambda x, y: {_Key.A: x, "x": x}, "csr": lambda x, y: {"x": x, "c": x.to_sparse_csr()}}
+    w, recs = _train(tmp_path, nn.Linear(4, 2), makers[kind], f"leaf_{kind}", nan_at=3)
+    assert not problems(w.run_dir), problems(w.run_dir)
+    assert len(w.captures) == 1
+    with open_capture(w.captures[0]) as cap:
+        batch = cap.step(3).batch
+    assert torch.equal(batch["x"], makers[kind](*_batch_at(3))["x"])
+    assert any(isinstance(v, str) and v.startswith("<not stored:") for v in (*batch.values(), *batch.keys()))
+
+
+class _Key(enum.Enum):
+    A = 1
+
+
+def _batch_at(i):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(i + 1):
+        x, y = torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)
+    return x, y

@@ -70,6 +70,7 @@ class StepRecorder:
         self._lazy_done = False
         self._last_loss: weakref.ref[torch.Tensor] | None = None
         self._dup_warned = False
+        self._batch_warned = False
         self.config, self.stream, self.latest, self.writer = config, stream, latest, writer
         self.disk, self.live, self.probes, self.rank, self.device = disk, live, probes, rank, device
         self._clock, self.wall = clock, wall_clock
@@ -132,10 +133,9 @@ class StepRecorder:
         groups = self.optimizer.param_groups
         lr = groups[0].get("lr") if groups else None
         scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
+        batch_sum, host_batch, nbytes = self._batch(batch)
         values: list[torch.Tensor | None] = [loss_t.float().reshape(()), gnorm,
-                                             lr if isinstance(lr, torch.Tensor) else None, scale,
-                                             batch_check(batch)]
-        host_batch, nbytes = self.copies.copy(batch)
+                                             lr if isinstance(lr, torch.Tensor) else None, scale, batch_sum]
         self.copies.clear()
         entry = RingEntry(step=n, batch=host_batch, rng=self._rng, record=None, nbytes=nbytes)
         self._rng = None
@@ -150,6 +150,23 @@ class StepRecorder:
         event = self.readback.push(n, values, fields, entry)
         self.n += 1
         self._after(entry, event, forward_seen)
+
+    def _batch(self, batch: Any) -> tuple[torch.Tensor | None, Any, int]:
+        """``(batch sum, host copy, bytes)`` of the step's batch; a batch the agent cannot walk
+        or copy (one that holds itself, nests past the recursion limit, holds a meta tensor)
+        is recorded as None with one warning: it cost the whole agent before."""
+        try:
+            batch_sum = batch_check(batch)
+            host_batch, nbytes = self.copies.copy(batch)
+            return batch_sum, host_batch, nbytes
+        except Exception as exc:  # noqa: BLE001 - the step is still recorded, without its batch
+            self.copies.clear()
+            if not self._batch_warned:
+                self._batch_warned = True
+                msg = f"batch not kept (the step is recorded without it): {type(exc).__name__}: {str(exc)[:200]}"
+                log.warning("sentineld: %s", msg)
+                self.stream.put({"kind": "agent_warning", "step": self.n, "message": msg}, urgent=True)
+            return None, None, 0
 
     def _duplicate(self, loss: torch.Tensor | float) -> bool:
         """True for a second ``watch.step`` of one step: the same loss tensor again, with no

@@ -171,3 +171,19 @@ def _batch_at(i):
     for _ in range(i + 1):
         x, y = torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)
     return x, y
+
+
+@pytest.mark.parametrize("kind", ["holds_itself", "meta_tensor"])
+def test_a_batch_the_agent_cannot_walk_costs_the_batch_not_the_agent(tmp_path, kind):
+    # RecursionError / NotImplementedError("Cannot copy out of meta tensor") disabled the agent
+    # at the first step: no records, no capture for the rest of the run.
+    def holds_itself(x, y):
+        d = {"x": x}
+        d["me"] = d
+        return d
+
+    makers = {"holds_itself": holds_itself, "meta_tensor": lambda x, y: (x, torch.empty(3, device="meta"))}
+    w, recs = _train(tmp_path, nn.Linear(4, 2), makers[kind], f"walk_{kind}", nan_at=3)
+    assert [r["step"] for r in recs] == list(range(6)) and len(w.captures) == 1
+    msgs = [p["message"] for p in problems(w.run_dir)]
+    assert len(msgs) == 1 and msgs[0].startswith("batch not kept (the step is recorded without it)")

@@ -305,8 +305,9 @@ class ActivationProbe:
     def before(self, rule: Rule, x: Any) -> torch.Tensor | None:
         """The input-side live mask of a smooth activation, taken before an in-place call."""
         if not self._frames or self.error is not None or not isinstance(x, torch.Tensor) \
-                or not x.is_floating_point() or not x.requires_grad or not torch.is_grad_enabled():
-            return None
+                or not x.is_floating_point() or not x.requires_grad or not torch.is_grad_enabled() \
+                or x.layout != torch.strided or x.is_nested:
+            return None                         # sparse/nested: no comparison kernels (it switched all probes off)
         try:
             if rule.kind != "dead" or not rule.on_input:
                 return x                        # measured on the output
@@ -318,7 +319,7 @@ class ActivationProbe:
     def after(self, rule: Rule, pre: torch.Tensor | None, out: Any) -> None:
         """Accumulate one call's figures into its site."""
         if pre is None or not self._frames or self.error is not None \
-                or not isinstance(out, torch.Tensor):
+                or not isinstance(out, torch.Tensor) or out.layout != torch.strided or out.is_nested:
             return
         try:
             frame = self._frames[-1]

@@ -103,6 +103,29 @@ def batch_check(batch: Any) -> torch.Tensor | None:
     return torch.stack([x.to(dev, non_blocking=True) for x in sums]).sum()
 
 
+def batch_nonfinite(host_batch: Any) -> bool | None:
+    """True when a floating tensor of ``host_batch`` (the ring's host copy of a step's batch)
+    holds a nan or inf element: the exact test behind a non-finite :func:`batch_check` sum.
+
+    The sum also turns inf when finite elements overflow float32 together: an additive
+    attention mask filled with ``torch.finfo(torch.float32).min`` (as Hugging Face builds
+    them), or float64 features above 3.4e38. Only a step whose sum is non-finite is re-checked
+    (at readback, on host, no device sync), so the usual step pays nothing for it. None when
+    the copy holds no floating tensor to look at (the ring kept none): the sum then decides.
+    """
+    found: bool | None = None
+
+    def look(t: torch.Tensor) -> torch.Tensor:
+        nonlocal found
+        if (not found and t.is_floating_point() and t.layout == torch.strided and not t.is_nested
+                and t.numel() > 0):
+            found = not bool(torch.isfinite(t).all())
+        return t
+
+    map_tensors(host_batch, look)
+    return found
+
+
 def params_nonfinite(layers: Mapping[str, LayerStats] | None) -> bool | None:
     """``StepRecord.param_nonfinite`` of a step: True when a sampled module's parameter norm is
     nan/inf, False when every sampled one is finite, None on a step that was not sampled (the

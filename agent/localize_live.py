@@ -62,7 +62,8 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
     seen: set[int] = set()
     total = 0
     for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in seen:
+        # A lazy module's parameters have no size until its first forward: they count 0 here.
+        if id(t) not in seen and not torch.nn.parameter.is_lazy(t):
             seen.add(id(t))
             total += t.numel() * t.element_size()
     if optimizer is not None:

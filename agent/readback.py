@@ -14,6 +14,7 @@ import torch
 
 from sentineld.contracts.records import StepRecord
 
+from .incidents import batch_nonfinite
 from .ring import RingEntry
 
 __all__ = ["grad_norm", "Readback"]
@@ -89,7 +90,9 @@ class Readback:
             if lr_t is not None:
                 fields["lr"] = lr_t
             if batch_sum is not None:
-                fields["input_nonfinite"] = not math.isfinite(batch_sum)
+                # A non-finite sum can be finite elements overflowing: the host copy decides.
+                fields["input_nonfinite"] = (not math.isfinite(batch_sum)
+                                             and batch_nonfinite(p.entry.batch) is not False)
             record = StepRecord(loss=float("nan") if loss is None else loss, grad_norm=gnorm,
                                 loss_scale=scale, **fields)
             yield record, p.entry, p.step

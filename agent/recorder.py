@@ -19,6 +19,7 @@ agent. Costs of each part: ``bench/step_profile.py``.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -66,6 +67,10 @@ class StepRecorder:
                  probes: Any, rank: int, device: torch.device, clock: Callable[[], float],
                  wall_clock: Callable[[], float], peers: PeerIncidents | None = None) -> None:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self._lazy_done = False
+        self._last_loss: weakref.ref[torch.Tensor] | None = None
+        self._dup_warned = False
+        self._batch_warned = False
         self.config, self.stream, self.latest, self.writer = config, stream, latest, writer
         self.disk, self.live, self.probes, self.rank, self.device = disk, live, probes, rank, device
         self._clock, self.wall = clock, wall_clock
@@ -114,6 +119,8 @@ class StepRecorder:
     # ------------------------------------------------------------------ step
     def record(self, loss: torch.Tensor | float, batch: Any) -> None:
         """Record one optimizer step (``watch.step``)."""
+        if self._duplicate(loss):
+            return
         n = self.n
         now = self._clock()
         step_s, self._t_last = now - self._t_last, now
@@ -126,10 +133,9 @@ class StepRecorder:
         groups = self.optimizer.param_groups
         lr = groups[0].get("lr") if groups else None
         scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
+        batch_sum, host_batch, nbytes = self._batch(batch)
         values: list[torch.Tensor | None] = [loss_t.float().reshape(()), gnorm,
-                                             lr if isinstance(lr, torch.Tensor) else None, scale,
-                                             batch_check(batch)]
-        host_batch, nbytes = self.copies.copy(batch)
+                                             lr if isinstance(lr, torch.Tensor) else None, scale, batch_sum]
         self.copies.clear()
         entry = RingEntry(step=n, batch=host_batch, rng=self._rng, record=None, nbytes=nbytes)
         self._rng = None
@@ -144,6 +150,39 @@ class StepRecorder:
         event = self.readback.push(n, values, fields, entry)
         self.n += 1
         self._after(entry, event, forward_seen)
+
+    def _batch(self, batch: Any) -> tuple[torch.Tensor | None, Any, int]:
+        """``(batch sum, host copy, bytes)`` of the step's batch; a batch the agent cannot walk
+        or copy (one that holds itself, nests past the recursion limit, holds a meta tensor)
+        is recorded as None with one warning: it cost the whole agent before."""
+        try:
+            batch_sum = batch_check(batch)
+            host_batch, nbytes = self.copies.copy(batch)
+            return batch_sum, host_batch, nbytes
+        except Exception as exc:  # noqa: BLE001 - the step is still recorded, without its batch
+            self.copies.clear()
+            if not self._batch_warned:
+                self._batch_warned = True
+                msg = f"batch not kept (the step is recorded without it): {type(exc).__name__}: {str(exc)[:200]}"
+                log.warning("sentineld: %s", msg)
+                self.stream.put({"kind": "agent_warning", "step": self.n, "message": msg}, urgent=True)
+            return None, None, 0
+
+    def _duplicate(self, loss: torch.Tensor | float) -> bool:
+        """True for a second ``watch.step`` of one step: the same loss tensor again, with no
+        forward and no optimizer step since the last call. Recorded, it would number a step
+        that did not happen, as an optimizer step skipped (a false "skipped steps" alert) and
+        shift every later step number off the loop's. Logged once; the call is ignored."""
+        last, self._last_loss = self._last_loss, (weakref.ref(loss) if isinstance(loss, torch.Tensor) else None)
+        if last is None or last() is not loss or self._pre_hook_ran or self.step_started:
+            return False
+        if not self._dup_warned:
+            self._dup_warned = True
+            msg = ("watch.step called again for the same step (same loss, no forward or optimizer step "
+                   "since); the extra calls are ignored: call it once per optimizer step")
+            log.warning("sentineld: %s", msg)
+            self.stream.put({"kind": "agent_warning", "step": self.n - 1, "message": msg}, urgent=True)
+        return True
 
     def _after(self, entry: RingEntry, event: Any, forward_seen: bool) -> None:
         self.resolve_ready()
@@ -181,14 +220,28 @@ class StepRecorder:
     # ------------------------------------------------------------- snapshots
     def initial_snapshot(self) -> None:
         """The state before the first step, so a fault in the first steps has a clean snapshot
-        (see :mod:`.snapshots`); RAM ring only, replaced by the first step's own snapshot."""
+        (see :mod:`.snapshots`); RAM ring only, replaced by the first step's own snapshot.
+        Skipped while a lazy module is not initialized (its parameters have no values before
+        the first forward; the first snapshot due after it is then the first one)."""
         self.take_snapshot(self.n, initial=True)
         self._rng = self._rng_reader.read()
+
+    def _lazy_pending(self) -> bool:
+        """True while a lazy module's parameters have no values (before its first forward,
+        which runs after the step's forward pre-hook): no snapshot can copy them yet."""
+        if self._lazy_done:
+            return False
+        is_lazy = torch.nn.parameter.is_lazy
+        pending = any(is_lazy(t) for t in (*self.model.parameters(), *self.model.buffers()))
+        self._lazy_done = not pending
+        return pending
 
     def take_snapshot(self, step: int, initial: bool = False) -> None:
         """Copy model + optimizer (+ scheduler, scaler, carried grads) state to host as the state
         before ``step``; async from CUDA, with an event the writers wait on. ``initial``: the
         one at attach (not written to the on-disk ring, and the cadence does not restart)."""
+        if self._lazy_pending():
+            return
         t0 = self._clock()
         # Gradients are part of the state only in a loop that does not zero them before the
         # forward (no zero_grad, or accumulation across steps): then the next step adds to them.

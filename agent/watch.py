@@ -151,7 +151,9 @@ class Watch:
     def _install_hooks(self) -> None:
         model, optimizer = self.model, self.optimizer
         opt_params = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        self._probe_param = min((p for p in model.parameters() if p.requires_grad and id(p) in opt_params),
+        # A lazy (uninitialized) parameter has no numel until the first forward: not a probe.
+        self._probe_param = min((p for p in model.parameters() if p.requires_grad and id(p) in opt_params
+                                 and not torch.nn.parameter.is_lazy(p)),
                                 key=lambda p: p.numel(), default=None)
         self._hooks = [
             model.register_forward_pre_hook(self._on_forward, with_kwargs=True),

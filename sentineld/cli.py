@@ -197,13 +197,17 @@ def status(state_dir: str | None, as_json: bool) -> None:
         con.print(f"sentineld daemon: running (pid {pid}), runs dir {st.get('runs_dir') if st else '?'}",
                   markup=False)
         if st:
-            con.print(f"runs watched: {st['runs_watched']}  alerts sent: {st['alerts_sent']}  "
-                      f"pending: {st['alerts_pending']}  replays run: {st['replays_run']}  "
-                      f"notify: {', '.join(st['notify']) or 'log only'}")
+            # .get throughout: a status.json from another daemon version may lack a key.
+            notify = ", ".join(map(str, st.get("notify") or [])) or "log only"
+            con.print(f"runs watched: {st.get('runs_watched', '?')}  alerts sent: {st.get('alerts_sent', '?')}  "
+                      f"pending: {st.get('alerts_pending', '?')}  replays run: {st.get('replays_run', '?')}  "
+                      f"notify: {notify}", markup=False)
             t = Table("run", "ranks", "last step", "active signatures", "captures", "error")
-            for r in st["runs"]:
-                t.add_row(r["run_id"], ",".join(map(str, r["ranks"])), str(r["last_step"]),
-                          ", ".join(r["active"]) or "-", str(r["captures"]), (r["error"] or "")[:60])
+            for r in st.get("runs") or []:
+                r = r if isinstance(r, dict) else {}
+                t.add_row(str(r.get("run_id", "?")), ",".join(map(str, r.get("ranks") or [])),
+                          str(r.get("last_step")), ", ".join(map(str, r.get("active") or [])) or "-",
+                          str(r.get("captures")), str(r.get("error") or "")[:60])
             con.print(t)
     sys.exit(EXIT_OK if pid is not None else EXIT_NOT_RUNNING)
 

@@ -151,7 +151,7 @@ def render_verdict(report: Any, fmt: str = "text") -> tuple[str, str]:
     Raises:
         ValueError: ``fmt`` is not one of :data:`FORMATS`.
     """
-    r: Mapping[str, Any] = report if isinstance(report, Mapping) else _as_dict(report)
+    r: Mapping[str, Any] = _one_line_names(report if isinstance(report, Mapping) else _as_dict(report))
     step, phase = r.get("step", "?"), r.get("phase", "none")
     mtype, node = r.get("module_type"), r.get("autograd_node")
     ev: Mapping[str, Any] = r.get("evidence") or {}
@@ -183,6 +183,33 @@ def render_verdict(report: Any, fmt: str = "text") -> tuple[str, str]:
     return _title(r), format_body("\n".join(lines) + "\n", fmt)
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\u2028\u2029]")
+
+
+def _one_line(v: str) -> str:
+    """``v`` with control characters written as escapes (``\\n``): a module name or run id
+    holding a line break would otherwise forge body lines, break out of the markdown fence or
+    split an email subject."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), v)
+
+
+def _seq(v: Any) -> list[str]:
+    """A list field as strings: a verdict file from another version or a hand-edited one may
+    hold a number or a string where a list belongs (it raised out of the daemon's notifier)."""
+    items = v if isinstance(v, (list, tuple)) else ([] if v is None or v == "" else [v])
+    return [_one_line(str(x)) for x in items]
+
+
+def _one_line_names(r: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: _one_line(v) if isinstance(v, str) and k not in ("cause", "fix") else v for k, v in r.items()}
+    for k in ("parameters", "ranks"):
+        if k in out:
+            out[k] = _seq(out[k])
+    if not isinstance(out.get("evidence"), Mapping):
+        out["evidence"] = {}
+    return out
+
+
 def _as_dict(report: Any) -> dict[str, Any]:
     from dataclasses import asdict  # noqa: PLC0415
 
@@ -209,6 +236,8 @@ def format_body(body: str, fmt: str) -> str:
         return ('<pre style="font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 13px; '
                 f'white-space: pre; overflow-x: auto">{html.escape(body.rstrip(chr(10)), quote=False)}</pre>\n')
     if fmt == "markdown":
-        fence = "~~~" if "```" in body else "```"
+        # Longer than any backtick run in the body: only a fence at least as long closes it
+        # (CommonMark), so no line of the body can end the code block early.
+        fence = "`" * max(3, 1 + max((len(m) for m in re.findall("`+", body)), default=0))
         return f"{fence}\n{body.rstrip(chr(10))}\n{fence}\n"
     raise ValueError(f"unknown output format {fmt!r}; expected one of {', '.join(FORMATS)}")

@@ -26,7 +26,9 @@ class TreeCodecError(ValueError):
 
 def _is_tensor(x: Any) -> bool:
     # Lazy torch check keeps this module importable without torch (the daemon reads captures).
-    return type(x).__module__.startswith("torch") and hasattr(x, "dtype") and hasattr(x, "shape")
+    # ``hasattr(x, "shape")`` raises RuntimeError (not AttributeError) on a strided nested
+    # tensor, so the check asks for ``dtype`` and ``dim`` instead: both answer on every layout.
+    return type(x).__module__.startswith("torch") and hasattr(x, "dtype") and hasattr(x, "dim")
 
 
 def encode(tree: Any, tensors: list[Any], path: str = "") -> Any:

@@ -297,11 +297,14 @@ class Notifier:
         n = 0
         with self.am_lock:
             for alert in saved if isinstance(saved, list) else []:
-                labels = alert.get("labels") if isinstance(alert, dict) else None
-                if (isinstance(labels, dict) and labels.get("alertname")
-                        and labels.get("signature") in EXTRA_SIGNATURES):
-                    self.am.fire(alert)
-                    n += 1
+                if not _restorable(alert):
+                    # Alertmanager answers 400 to the whole post for one malformed alert, which
+                    # would hold every live alert back with it on each retry.
+                    log.warning("saved alert in %s is not a well-formed verdict/crash alert; not restored: %.200r",
+                                self.extras_path, alert)
+                    continue
+                self.am.fire(alert)
+                n += 1
         if n:
             log.info("re-sending %d verdict/crash alert(s) the last daemon left active", n)
         self.delivery_wake.set()
@@ -318,3 +321,18 @@ class Notifier:
                 flush(self.am, url)
         except Exception as exc:  # noqa: BLE001 - retried on the next tick
             log.warning("alertmanager forward failed (retrying): %s", exc)
+
+
+def _str_map(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())
+
+
+def _restorable(alert: Any) -> bool:
+    """True for a saved alert Alertmanager accepts: string labels (with ``alertname`` and a
+    verdict/crash ``signature``) and annotations, string ``startsAt`` / ``generatorURL``."""
+    if not isinstance(alert, dict) or not _str_map(alert.get("labels")):
+        return False
+    labels = alert["labels"]
+    return (bool(labels.get("alertname")) and labels.get("signature") in EXTRA_SIGNATURES
+            and _str_map(alert.get("annotations", {}))
+            and all(isinstance(alert.get(k, ""), str) for k in ("startsAt", "generatorURL")))

@@ -69,11 +69,13 @@ def write_pidfile(state_dir: Path) -> Path:
 
 
 def read_status(state_dir: Path) -> dict[str, Any] | None:
-    """The daemon's last ``status.json``, or None."""
+    """The daemon's last ``status.json``, or None (missing, unreadable, or not a JSON object:
+    a damaged or hand-edited file is no status)."""
     try:
-        return json.loads((state_dir / STATUS_NAME).read_text())
+        st = json.loads((state_dir / STATUS_NAME).read_text())
     except (OSError, ValueError):
         return None
+    return st if isinstance(st, dict) else None
 
 
 def write_status(state_dir: Path, status: dict[str, Any]) -> None:

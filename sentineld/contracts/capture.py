@@ -40,6 +40,7 @@ from sentineld.contracts.capture_data import (
     put_dataset,
     read_dataset,
     read_str,
+    storable,
     tensor_to_numpy,
     torch_module,
 )
@@ -118,37 +119,9 @@ def _write_tree(group: Any, tree: Any, crc: CrcPool | None = None) -> None:
         ds.attrs["torch_dtype"] = dtype
 
 
-def _storable(tree: Any, path: str = "") -> Any:
-    """``tree`` with each leaf a capture cannot hold (an enum dict key, bytes, a set, a CSR,
-    nested or quantized tensor) replaced by a ``"<not stored: ...>"`` string naming it.
-
-    One such leaf made the whole capture fail (model state and records of the incident lost
-    with it); the replay of a batch that lost a leaf fails at that leaf, and says why.
-    """
-    if isinstance(tree, dict) and type(tree) is dict:
-        return {(k if _leaf_ok(k) else f"<not stored: {type(k).__name__} key>"): _storable(v, f"{path}/{k}")
-                for k, v in tree.items()}
-    if type(tree) in (list, tuple):
-        return type(tree)(_storable(v, f"{path}/{i}") for i, v in enumerate(tree))
-    if _leaf_ok(tree):
-        return tree
-    return f"<not stored: {type(tree).__name__} at {path or '/'}>"
-
-
-def _leaf_ok(leaf: Any) -> bool:
-    try:
-        tensors: list[Any] = []
-        json.dumps(encode(leaf, tensors))
-        for t in tensors:
-            tensor_to_numpy(t)
-    except Exception:  # noqa: BLE001 - whatever the leaf's type raises: it is not storable
-        return False
-    return True
-
-
 def write_step(group: Any, st: CaptureStep | EncodedStep) -> None:
     """Write one step's batch and RNG state into an HDF5 group (layout of ``/steps/<step>``);
-    a batch leaf that cannot be stored is replaced by a note (:func:`_storable`)."""
+    a batch leaf that cannot be stored is replaced by a note (:func:`~sentineld.contracts.capture_data.storable`)."""
     try:
         _write_tree(group.create_group("batch"), st.batch)
     except Exception as exc:  # noqa: BLE001 - TreeCodecError, or a tensor layout numpy cannot take
@@ -157,7 +130,7 @@ def write_step(group: Any, st: CaptureStep | EncodedStep) -> None:
         log.warning("sentineld: step %s: batch stored without what a capture cannot hold (%s)",
                     group.name.rsplit("/", 1)[-1], exc)
         del group["batch"]
-        _write_tree(group.create_group("batch"), _storable(st.batch))
+        _write_tree(group.create_group("batch"), storable(st.batch))
     if st.rng is None:
         return
     if isinstance(st.rng, EncodedRng):

@@ -8,6 +8,7 @@ torch is imported only where tensors are converted, so the daemon reads captures
 
 from __future__ import annotations
 
+import json
 import os
 import zlib
 from typing import Any
@@ -15,8 +16,10 @@ from typing import Any
 import numpy as np
 
 from sentineld.contracts.errors import BadInput
+from sentineld.contracts.treecodec import encode
 
-__all__ = ["CaptureError", "torch_module", "CrcPool", "put_dataset", "read_dataset", "read_str", "tensor_to_numpy",
+__all__ = ["storable", "CaptureError", "torch_module", "CrcPool", "put_dataset", "read_dataset", "read_str",
+           "tensor_to_numpy",
            "numpy_to_tensor", "DECLARED_BYTES_PER_FILE_BYTE", "MIN_DATASET_LIMIT_BYTES"]
 
 
@@ -157,3 +160,31 @@ def read_str(ds: Any) -> str:
     """A string dataset's value, checksum verified."""
     val = read_dataset(ds)
     return val.decode() if isinstance(val, bytes) else str(val)
+
+
+def storable(tree: Any, path: str = "") -> Any:
+    """``tree`` with each leaf a capture cannot hold (an enum dict key, bytes, a set, a CSR,
+    nested or quantized tensor) replaced by a ``"<not stored: ...>"`` string naming it.
+
+    One such leaf made the whole capture fail (model state and records of the incident lost
+    with it); the replay of a batch that lost a leaf fails at that leaf, and says why.
+    """
+    if isinstance(tree, dict) and type(tree) is dict:
+        return {(k if _leaf_ok(k) else f"<not stored: {type(k).__name__} key>"): storable(v, f"{path}/{k}")
+                for k, v in tree.items()}
+    if type(tree) in (list, tuple):
+        return type(tree)(storable(v, f"{path}/{i}") for i, v in enumerate(tree))
+    if _leaf_ok(tree):
+        return tree
+    return f"<not stored: {type(tree).__name__} at {path or '/'}>"
+
+
+def _leaf_ok(leaf: Any) -> bool:
+    try:
+        tensors: list[Any] = []
+        json.dumps(encode(leaf, tensors))
+        for t in tensors:
+            tensor_to_numpy(t)
+    except Exception:  # noqa: BLE001 - whatever the leaf's type raises: it is not storable
+        return False
+    return True

@@ -40,7 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from sentineld.contracts.capture import EncodedRng, EncodedTree, tensor_to_numpy
+from sentineld.contracts.capture import EncodedRng, EncodedTree
+from sentineld.contracts.capture_data import tensor_to_numpy
 from sentineld.contracts.treecodec import encode
 
 __all__ = ["SNAP_FILE", "STEP_FILE", "MAGIC", "Packer", "write_ring_file",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from sentineld.daemon.alertmanager import DAEMON_HOLD_S, ActiveAlerts
+from sentineld.daemon.alertmanager import DAEMON_HOLD_S
+from sentineld.daemon.am_active import ActiveAlerts
 from sentineld.daemon.notifier import Notifier
 from sentineld.daemon.outbox import Outbox
 

@@ -137,6 +137,8 @@ class ProbeHandle:
         self.every = every
         self.dense = dense
         self.enabled = True
+        #: Why the probes switched themselves off (one line), or None; the recorder streams it once.
+        self.failure: str | None = None
         self._active = False
         self._step: int | None = None
         self._first: int | None = None
@@ -275,7 +277,10 @@ class ProbeHandle:
 
     def _fail(self, exc: BaseException) -> None:
         if self.enabled:
-            log.warning("sentineld: layer probes switched off after an internal error: %r", exc)
+            # The first line only: torch's dispatcher errors list every backend (several kB).
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            self.failure = f"layer probes switched off after an internal error: {type(exc).__name__}: {first}"
+            log.warning("sentineld: %s", self.failure)
         self.enabled = False
         self._active = False
         self._reset()

@@ -140,9 +140,13 @@ class StepRecorder:
         entry = RingEntry(step=n, batch=host_batch, rng=self._rng, record=None, nbytes=nbytes)
         self._rng = None
         self.ring.add_step(entry)
-        layers = self.probes.collect() if self.probes is not None else None
+        probes = self.probes
+        layers = probes.collect() if probes is not None else None
         if layers:
             self.latest.layers = dict(layers)
+        elif probes is not None and probes.failure is not None:  # once: say it where the daemon reads
+            self.stream.put({"kind": "agent_warning", "step": n, "message": probes.failure}, urgent=True)
+            self.probes = None
         fields = {"step": n, "step_s": step_s, "time_s": self.wall(), "optimizer_skipped": skipped,
                   "layers": layers or None, "param_nonfinite": params_nonfinite(layers),
                   "rank": self.rank, "grads_carried": self.grads_carried,

@@ -96,3 +96,30 @@ def test_float64_training_is_not_crashed_by_the_agent(tmp_path):
     assert [o["loss"] for o in steps] == [float(torch.tensor(v, dtype=torch.float64).float()) for v in losses]
     assert all(o["grad_norm"] > 0 for o in steps)
     assert [o["kind"] for o in stream(w.run_dir)].count("agent_error") == 0
+
+
+def test_probes_switching_off_say_so_in_the_stream_once(tmp_path, monkeypatch):
+    """The layer probes switch themselves off on an internal error (training and the rest of the
+    agent go on). Before, the reason went to the log only, so `sentineld status` never showed why
+    dead-unit and per-layer signatures had gone quiet; now one agent_warning with the first line
+    of the error (torch's dispatcher errors run to kilobytes) is in the stream."""
+    from sentineld.agent import probes as probes_module
+
+    def boom(self):
+        raise RuntimeError("Could not run 'aten::amax' with arguments from the 'SparseCPU' backend.\n"
+                           + "CPU: registered at ...\n" * 200)
+
+    monkeypatch.setattr(probes_module.ProbeHandle, "_collect", boom)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    w = attach(m, opt, run_id="probes-off", runs_dir=tmp_path, metrics_port=0, localize="off")
+    _loop(m, opt, w, steps=6)
+    w.close()
+    warnings = [r for r in stream(w.run_dir) if r.get("kind") == "agent_warning"]
+    assert len(warnings) == 1, warnings
+    msg = warnings[0]["message"]
+    assert msg.startswith("layer probes switched off after an internal error: RuntimeError: Could not run")
+    assert len(msg) < 400 and "registered at" not in msg
+    steps = [r for r in stream(w.run_dir) if r.get("kind", "step") == "step"]
+    assert len(steps) == 6  # every step still recorded

@@ -27,6 +27,8 @@ def regress(run: str, step: int | None, out_dir: str, rank: int | None, runs_dir
         _fail(str(exc), getattr(exc, "exit_code", 2))
     except OSError as exc:
         _fail(f"cannot write the regression test: {exc}")
+    if reg.warning:
+        click.echo(f"warning: {reg.warning}", err=True)
     click.echo(f"{reg.test}\n{reg.fixture}\n"
                f"steps {reg.snapshot_step}..{reg.step} from {reg.capture.name}; run it from the project's "
                f"working directory: pytest {reg.test}")

@@ -24,6 +24,9 @@ class Regression:
     step: int
     snapshot_step: int
     capture: Path
+    #: Set when the guarded step's batch itself holds NaN/Inf (a data-phase fault): the test
+    #: replays that batch, so it cannot pass however the code is fixed; says what to do instead.
+    warning: str | None = None
 
 
 def _slug(run_id: str) -> str:
@@ -64,4 +67,34 @@ def write_regression(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike
     test.write_text(render_test(run_id=meta.run_id, slug=slug, step=n, snapshot_step=probe["snapshot_step"],
                                 fixture=fixture.name, recipe=meta.recipe, recipe_args=meta.recipe_args,
                                 cwd=meta.cwd, num_threads=meta.num_threads))
-    return Regression(test, fixture, n, probe["snapshot_step"], cap)
+    return Regression(test, fixture, n, probe["snapshot_step"], cap, _data_warning(fixture, n))
+
+
+def _data_warning(fixture: Path, step: int) -> str | None:
+    """A warning when the batch of ``step`` in ``fixture`` holds a non-finite float (see Regression)."""
+    import torch  # noqa: PLC0415
+
+    from sentineld.contracts.capture import open_capture  # noqa: PLC0415
+
+    with open_capture(fixture) as cap:
+        batch = cap.step(step).batch
+    bad: list[bool] = []
+
+    def walk(x: object) -> None:
+        if isinstance(x, torch.Tensor):
+            if x.is_floating_point() or x.is_complex():
+                bad.append(not bool(torch.isfinite(x).all()))
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(batch)
+    if not any(bad):
+        return None
+    return (f"the batch of step {step} itself holds NaN/Inf (a data fault): this test replays that batch, "
+            "so it cannot pass however the model code is fixed. Guard the data instead (e.g. "
+            "torch.isfinite(x).all() in the data pipeline), or keep this test only for the loss/model "
+            "handling of bad batches (e.g. a skip) you add.")

@@ -139,3 +139,43 @@ def test_a_fix_of_optimizer_settings_needs_hyperparameters_from_the_recipe(tmp_p
     test.write_text(test.read_text().replace('HYPERPARAMETERS = "capture"', 'HYPERPARAMETERS = "recipe"'))
     good = _pytest(test, project)
     assert good.returncode == 0, good.stdout + good.stderr
+
+
+NAN_BATCH = '''"""A healthy MLP fed one bad batch: a sensor reading of NaN at step 3."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sentineld.recipe import Recipe
+
+
+def make_recipe(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    return Recipe(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                  loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(500 + step)
+    x = torch.randn(8, 6, generator=g)
+    if step == 3:
+        x[2, 4] = float("nan")
+    return x, torch.randint(0, 3, (8,), generator=g)
+'''
+
+
+@pytest.mark.slow
+def test_a_data_fault_is_written_with_a_warning_that_the_test_cannot_pass(tmp_path: Path) -> None:
+    # Regression (a new user on an HF run with an inf label): the fixture carries the bad batch,
+    # so the written test fails for ever, and regress said nothing about it.
+    project = planted.write_project(tmp_path / "project", NAN_BATCH, "sensor")
+    run = planted.train(project, tmp_path / "runs", "nan-batch", steps=6)
+    r = _cli("regress", str(run["run_dir"]), "-o", str(project), cwd=project)
+    assert r.returncode == 0, r.stderr
+    assert "warning: the batch of step 3 itself holds NaN/Inf (a data fault)" in r.stderr
+    assert "Guard the data instead" in r.stderr
+    # an earlier step of the same run, whose batch is clean, gets no such warning
+    healthy = _cli("regress", str(tmp_path / "runs" / "nan-batch"), "--step", "2", "-o", str(tmp_path / "o2"),
+                   cwd=project)
+    assert healthy.returncode == 0 and "warning" not in healthy.stderr, healthy.stderr

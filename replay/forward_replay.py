@@ -70,8 +70,13 @@ def replay_forward_only(meta: RunMeta, cap_path: Path, trust: bool, named_by: li
         try:
             model.load_state_dict(snap["model"])
         except (RuntimeError, KeyError) as exc:
-            raise ReplayError(f"{type(model).__name__}() does not match the captured state: "
-                              f"{' '.join(str(exc).split())[:400]}") from None
+            # The class was rebuilt without the constructor arguments the run used (an empty
+            # nn.Sequential, a default width): say that, and how to give them, not just "mismatch".
+            raise ReplayError(f"run {meta.run_id} recorded no recipe, and {type(model).__name__}() built "
+                              "without arguments does not match the captured state (the model was made "
+                              "with constructor arguments the replay cannot know): pass --recipe "
+                              f"module:function, or {HOW_TO_ENABLE}; torch said: "
+                              f"{' '.join(str(exc).split())[:300]}") from None
         model.train()
         calls = [ForwardCall(s, tuple(c["args"]), dict(c["kwargs"]), dict(r) if (r := cap.step(s).rng) else None)
                  for s, c in sorted(calls_rec.items()) if s in cap.steps]

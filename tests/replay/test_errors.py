@@ -137,3 +137,35 @@ def test_group_writable_run_json_or_folder_is_refused(mini_run: tuple[Path, Path
 def test_unknown_run_exit_2(tmp_path: Path) -> None:
     r = replay("no-such-run", "--runs-dir", str(tmp_path))
     assert r.exit_code == 2 and "no run 'no-such-run'" in r.stderr
+
+
+def test_a_sequential_without_recipe_says_a_recipe_is_needed(tmp_path: Path) -> None:
+    """Regression (adversarial tester): a plain nn.Sequential watched without loss_fn or recipe;
+    the forward-only replay rebuilt ``Sequential()`` (no layers) and said only "Sequential() does not
+    match the captured state". It must say why (constructor arguments) and what to pass."""
+    import torch
+    from torch import nn
+
+    from sentineld.agent import attach
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    runs = tmp_path / "runs"
+    runs.mkdir(mode=0o700)
+    with attach(model, opt, run_id="seq", runs_dir=runs, metrics_port=0,
+                capture_on_sigterm=False) as watch:
+        for step in range(8):
+            x = torch.randn(4, 4)
+            if step == 5:
+                x[0, 0] = float("inf") * 0  # nan in the batch
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            watch.step(loss, batch=x)
+    assert watch.captures, "no capture to replay"
+    r = CliRunner().invoke(cli, ["replay", str(watch.run_dir), "--json"])
+    assert r.exit_code == 2, r.output
+    assert "built without arguments does not match the captured state" in r.output
+    assert "--recipe module:function" in r.output and "loss_fn=" in r.output

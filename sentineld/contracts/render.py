@@ -202,9 +202,11 @@ def _seq(v: Any) -> list[str]:
 
 def _one_line_names(r: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: _one_line(v) if isinstance(v, str) and k not in ("cause", "fix") else v for k, v in r.items()}
-    for k in ("parameters", "ranks"):
-        if k in out:
-            out[k] = _seq(out[k])
+    if "parameters" in out:
+        out["parameters"] = _seq(out["parameters"])
+    if "ranks" in out:  # ints stay ints (shown as [1, 3]); anything else as one-line text
+        raw = out["ranks"] if isinstance(out["ranks"], (list, tuple)) else _seq(out["ranks"])
+        out["ranks"] = [x if isinstance(x, int) and not isinstance(x, bool) else _one_line(str(x)) for x in raw]
     if not isinstance(out.get("evidence"), Mapping):
         out["evidence"] = {}
     return out

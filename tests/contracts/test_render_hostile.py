@@ -44,3 +44,12 @@ def test_a_verdict_with_wrong_typed_lists_renders_instead_of_raising():
     for fmt in ("text", "html", "markdown"):
         title, body = render_verdict(r, fmt)
         assert "parameters: 1, 2" in body and title.endswith("module head, rank 3")
+
+
+def test_int_ranks_render_as_ints() -> None:
+    # Regression: coercing list fields to text made a DDP verdict's ranks ['1'] ("born on ['1']").
+    report = {"run_id": "w2", "step": 7, "phase": "forward", "module": "fc1", "ranks": [1],
+              "evidence": {"ddp": {"world_size": 2, "ranks_used": [0, 1]}}}
+    title, body = render_verdict(report)
+    assert "ranks: born on [1] of 2, replayed from [0, 1]" in body
+    assert title.endswith("module fc1, rank 1")

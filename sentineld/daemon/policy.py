@@ -24,7 +24,10 @@ Rules (all from the design; ``sentineld.daemon.service`` carries them out):
   Alertmanager's ``group_wait``; it clears at a later evaluation, or at once when the run ends;
 - when every rank of a run has ended, its signatures are closed (``closed``): no longer active in
   ``status``, no recovery notice (nothing recovered), and its Alertmanager page stays open (an
-  incident a run ended in is not over for on-call; issue 16); held alerts are sent first;
+  incident a run ended in is not over for on-call; issue 16); held alerts, and alerts whose hold
+  was released but not yet sent, are sent first; a run first seen after it ended alerts at once
+  (no rank grace: every rank's records are in), and a finished run read again alerts nothing it
+  alerted before;
 - a notified alert that more ranks join is re-posted to Alertmanager, so the page lists every
   rank (issue 16); when a run's last active signature clears, its incident is over.
 """
@@ -178,12 +181,14 @@ def decide(active: Mapping[str, Mapping[str, Any]], per_rank: Mapping[int, Seque
                 out.grown.append(active_from_dict(new[key]))
     for a in fired:
         last = last_alert_s.get(a.key)
+        if ended and last is not None:
+            continue  # a finished run re-read: what it showed was alerted (and closed) already
         if a.signature != "nonfinite" and last is not None and now_s - last < alert_interval_s:
             new[a.key] = {**asdict(a), "notified": True, "suppressed": True}
             out.suppressed.append(a)
             continue
         new[a.key] = asdict(a)
-        if multi_rank:
+        if multi_rank and not ended:  # every rank ended: all their records are in, no grace
             out.hold[a.key] = now_s + rank_grace_s
         else:
             out.alert.append(a)
@@ -194,7 +199,13 @@ def decide(active: Mapping[str, Mapping[str, Any]], per_rank: Mapping[int, Seque
             continue  # over, but announced at a later evaluation (Alertmanager's group_wait)
         _clear(out, key, held_now)
     if ended:
-        for key in [k for k in new if k not in held_now and k not in out.hold]:
+        # Close what was notified (or is being now); an alert still to be sent (a hold just
+        # released, its alert not yet out) stays until it is: else a finished multi-rank run
+        # seen after its end was never alerted.
+        alerting = {a.key for a in out.alert}
+        pending = {k for k, v in new.items() if not v.get("notified") and not v.get("suppressed")}
+        for key in [k for k in new if k not in held_now and k not in out.hold
+                    and (k in alerting or k not in pending)]:
             out.closed.append(active_from_dict(new.pop(key)))
     out.incident_over = bool(out.recovered or out.resolved_quietly or out.dropped_holds) and not new
     return out

@@ -147,8 +147,7 @@ def test_an_ended_run_alerts_what_it_showed_then_closes_it():
 
 
 def test_an_ended_run_keeps_a_held_alert_until_it_is_sent():
-    d = _decide({}, {0: [V("nonfinite", 5)]}, multi=True, ended=True)
-    assert sorted(d.hold) == ["nonfinite"] and d.closed == [] and sorted(d.active) == ["nonfinite"]
+    # (a run first seen after it ended alerts at once, with no hold: tested below)
     held = _decide({"nonfinite": _saved("nonfinite", 5, notified=False)}, {0: [V("nonfinite", 5)]},
                    held=("nonfinite",), multi=True, ended=True)
     assert held.closed == [] and sorted(held.active) == ["nonfinite"]
@@ -170,3 +169,22 @@ def test_an_alert_cleared_within_min_firing_s_is_announced_later():
     assert [a.key for a in ended.recovered] == ["nonfinite"] and ended.closed == []  # it did recover
     again = _decide(saved, {0: [_again(61, REARM_STEPS)]}, now=105.0, last={"nonfinite": 100.0}, min_firing=15.0)
     assert [a.key for a in again.recovered] == ["nonfinite"] and [a.step for a in again.alert] == [61]
+
+
+def test_a_released_hold_of_an_ended_run_is_not_closed_before_its_alert():
+    """Regression: a two-rank run the daemon first read after it ended. Its held alert was
+    released (no longer held), the re-read closed it before the alert went out, the next read
+    held it again: the run was never alerted (every 2 s: 'nonfinite closed')."""
+    released = _decide({"nonfinite": _saved("nonfinite", 5, notified=False)}, {0: [V("nonfinite", 5)]},
+                       multi=True, ended=True)
+    assert released.closed == [] and sorted(released.active) == ["nonfinite"]
+    sent = _decide({"nonfinite": _saved("nonfinite", 5)}, {0: [V("nonfinite", 5)]},
+                   last={"nonfinite": 99.0}, multi=True, ended=True)
+    assert [a.key for a in sent.closed] == ["nonfinite"] and sent.active == {}
+
+
+def test_an_ended_multi_rank_run_alerts_at_once_and_a_reread_alerts_nothing_again():
+    first = _decide({}, {0: [V("nonfinite", 5)], 1: [V("nonfinite", 5)]}, multi=True, ended=True)
+    assert [a.key for a in first.alert] == ["nonfinite"] and first.hold == {}
+    again = _decide({}, {0: [V("nonfinite", 5)]}, last={"nonfinite": 99.0}, multi=True, ended=True)
+    assert again.alert == [] and again.hold == {} and again.active == {}

@@ -276,7 +276,9 @@ class ActivationProbe:
         if not self._frames and not torch.is_grad_enabled():
             return      # an evaluation pass: nothing to measure, and no mode to change its path
         self._frames.append(_Frame(module, name))
-        if len(self._frames) == 1 and self._mode is None:
+        if len(self._frames) == 1 and self._mode is None and not _probe_mode_active():
+            # (a second watch on the same model: the first one's probe measures this forward;
+            # two probe modes would interleave and the stack check below would fail)
             self._mode = _Mode(self)
             self._mode.__enter__()
 
@@ -370,3 +372,12 @@ class ActivationProbe:
             if site not in self.outputs and n > 0:
                 out.append((site, "saturated", sat.float() / n))
         return out
+
+
+def _probe_mode_active() -> bool:
+    """True when an activation probe's mode is already on torch's function mode stack."""
+    try:
+        n = torch._C._len_torch_function_stack()
+        return any(isinstance(torch._C._get_function_stack_at(i), _Mode) for i in range(n))
+    except Exception:  # noqa: BLE001 - a torch without these internals: assume none
+        return False

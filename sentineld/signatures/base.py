@@ -22,7 +22,7 @@ from typing import Any, Iterator, Literal, Mapping, Sequence
 from sentineld.contracts.records import LayerStats, StepRecord
 
 __all__ = ["Verdict", "Severity", "SIGNATURES", "make_verdict", "as_float", "finite", "median",
-           "positive_ints", "chance_loss",
+           "positive_ints", "chance_loss", "tail_chunk_medians",
            "robust_sigma", "finite_losses", "chunk_medians", "tail", "trailing", "sampled_layers",
            "layer_value", "step_of"]
 
@@ -222,3 +222,15 @@ def chance_loss(num_classes: int | None) -> float | None:
     except (TypeError, ValueError, OverflowError):
         return None
     return math.log(c) if c >= 2 else None
+
+
+def tail_chunk_medians(records: Sequence[StepRecord], span: int, chunk: int, min_chunks: int
+                       ) -> tuple[list[tuple[int, float]], list[float]] | None:
+    """The finite losses of the last ``span`` records and their medians per ``chunk`` steps, or
+    None when under 90% of the span is finite or fewer than ``min_chunks`` chunks result (the
+    curve rules of :mod:`.loss` and :mod:`.divergence` judge nothing on less)."""
+    pts = finite_losses(tail(records, span))
+    if len(pts) < span * 0.9:
+        return None
+    meds = chunk_medians([v for _, v in pts], chunk)
+    return (pts, meds) if len(meds) >= min_chunks else None

@@ -15,13 +15,13 @@ from sentineld.contracts.records import StepRecord
 from .base import (
     Verdict,
     chance_loss,
-    chunk_medians,
     finite_losses,
     make_verdict,
     median,
     positive_ints,
     robust_sigma,
     tail,
+    tail_chunk_medians,
 )
 
 __all__ = ["DivergenceSpikeConfig", "DivergenceGrowthConfig", "detect_divergence_spike",
@@ -166,12 +166,10 @@ def detect_divergence_growth(records: Sequence[StepRecord], config: DivergenceGr
     """
     if not config.enabled:
         return []
-    pts = finite_losses(tail(records, config.span))
-    if len(pts) < config.span * 0.9:
+    got = tail_chunk_medians(records, config.span, config.chunk, 3)
+    if got is None:
         return []
-    meds = chunk_medians([v for _, v in pts], config.chunk)
-    if len(meds) < 3:
-        return []
+    pts, meds = got
     diffs = [b - a for a, b in zip(meds, meds[1:])]
     rising = sum(d > 0 for d in diffs) / len(diffs)
     lowest = min(meds)

@@ -20,7 +20,6 @@ from sentineld.contracts.records import StepRecord
 from .base import (
     Verdict,
     chance_loss,
-    chunk_medians,
     finite,
     finite_losses,
     make_verdict,
@@ -28,6 +27,7 @@ from .base import (
     positive_ints,
     step_of,
     tail,
+    tail_chunk_medians,
 )
 
 __all__ = ["PlateauConfig", "OscillationConfig", "InitialLossConfig", "detect_plateau",
@@ -221,12 +221,10 @@ def detect_oscillation(records: Sequence[StepRecord], config: OscillationConfig,
     """
     if not config.enabled:
         return []
-    pts = finite_losses(tail(records, config.span))
-    if len(pts) < config.span * 0.9:
+    got = tail_chunk_medians(records, config.span, config.chunk, 6)
+    if got is None:
         return []
-    meds = chunk_medians([v for _, v in pts], config.chunk)
-    if len(meds) < 6:
-        return []
+    pts, meds = got
     level = median(meds)
     ref = chance_loss(num_classes)
     floor = config.min_level * ref if ref is not None else config.min_loss

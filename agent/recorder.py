@@ -91,6 +91,7 @@ class StepRecorder:
         self.probe_checked = False
         self._gnorm: torch.Tensor | None = None
         self._pre_hook_ran = False
+        self._clip_max: float | None = None  # set: this step's norm is kept (taken before clipping)
 
     # ------------------------------------------------------------- hook side
     def begin(self, args: Any, kwargs: Any) -> None:
@@ -111,10 +112,17 @@ class StepRecorder:
         if self.probes is not None:
             self.probes.begin_step(self.n)
 
-    def grads_ready(self) -> None:
-        """The gradients are complete: take the global grad norm (on device, no sync)."""
-        self._gnorm = grad_norm(self.optimizer)
+    def grads_ready(self, norm: torch.Tensor | None = None, clip_max: float | None = None) -> None:
+        """The gradients are complete: take the global grad norm (on device, no sync).
+
+        ``norm``: the framework's own value (the HF Trainer's clip returns it); ``clip_max``:
+        the framework clips to this norm next, so this value is kept for the step (a later
+        call, e.g. the optimizer's pre-hook, would see the clipped gradients)."""
+        if self._clip_max is not None:
+            return
+        self._gnorm = grad_norm(self.optimizer) if norm is None else norm.detach().float().reshape(())
         self._pre_hook_ran = True
+        self._clip_max = clip_max
 
     # ------------------------------------------------------------------ step
     def record(self, loss: torch.Tensor | float, batch: Any) -> None:
@@ -128,6 +136,7 @@ class StepRecorder:
         skipped = not self._pre_hook_ran
         gnorm = self._gnorm if self._pre_hook_ran else grad_norm(self.optimizer)
         forward_seen = self.step_started
+        clip_max, self._clip_max = self._clip_max, None
         self._gnorm, self._pre_hook_ran, self.step_started = None, False, False
         loss_t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         groups = self.optimizer.param_groups
@@ -151,6 +160,8 @@ class StepRecorder:
                   "layers": layers or None, "param_nonfinite": params_nonfinite(layers),
                   "rank": self.rank, "grads_carried": self.grads_carried,
                   "lr": float(lr) if lr is not None and not isinstance(lr, torch.Tensor) else None}
+        if clip_max is not None:
+            fields["_clip_max"] = clip_max  # -> ``clipped`` once the norm is read back
         event = self.readback.push(n, values, fields, entry)
         self.n += 1
         self._after(entry, event, forward_seen)

@@ -64,6 +64,9 @@ class StepRecord:
             steps only; None otherwise).
         input_nonfinite: True when a floating tensor of the batch held nan/inf (every step; None
             when the batch has no floating tensor).
+        clipped: True when norm clipping changed the gradients of this step (``grad_norm`` is
+            then the norm before clipping), False when the norm was under the max norm, None
+            when not known (no clipping, or the loop clips where the agent does not see it).
         layers: per-module :class:`LayerStats` on sampled steps, keyed by qualified module name.
     """
 
@@ -79,6 +82,7 @@ class StepRecord:
     grads_carried: bool | None = None
     param_nonfinite: bool | None = None
     input_nonfinite: bool | None = None
+    clipped: bool | None = None
     layers: Mapping[str, LayerStats] | None = field(default=None, compare=False)
 
     @property

@@ -115,6 +115,7 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
         self._k = 1
         self._module: Any = None
         self._warned = False
+        self._clip: float | None = None
 
     # ------------------------------------------------------------------ attach
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -135,7 +136,7 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
         self._k = kw["accumulation_steps"] = max(1, int(trainer.accumulate_grad_batches))
         clip, algo = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
         norm_clip = clip and str(getattr(algo, "value", algo) or "norm") == "norm"
-        kw["clip_grad_norm"] = float(clip) if norm_clip else None  # for in-process localization
+        kw["clip_grad_norm"] = self._clip = float(clip) if norm_clip else None  # in-process replay too
         if "recipe" not in kw:
             try:
                 kw["recipe_args"] = replay_args(trainer, pl_module)
@@ -176,7 +177,9 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         w = self.watch
         if w is not None and w.enabled and optimizer is w.optimizer:
-            w.grads_ready()  # fresh gradients, before clipping
+            # Fresh gradients, before clipping: with clipping the value is kept for the step
+            # (under 16-mixed the optimizer's pre-hook runs after the clip) and `clipped` recorded.
+            w.grads_ready(clip_max=self._clip if pl_module.automatic_optimization else None)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -27,6 +27,7 @@ a loss the model does not return: the run records that and the replay says to pa
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -146,6 +147,7 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
         self._k = 1
         self._hooks: list[Any] = []
         self._warned: set[str] = set()
+        self._trainer: Any = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                        optimizer: Any = None, lr_scheduler: Any = None, **kwargs: Any) -> None:
@@ -176,9 +178,36 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
                             "Pass recipe= (or loss_fn=) to SentineldCallback",
                             kw["recipe_args"]["custom_loss"])
         self.watch = attach(model, opt, **kw)
-        self.watch.start_at(int(state.global_step))  # the Trainer's global_step numbers the steps
+        # Steps are numbered as the Trainer numbers them: its global_step once the step is done
+        # (the 31st step is 31 in its logs and in checkpoint-31).
+        self.watch.start_at(int(state.global_step) + 1)
         self._hooks = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True),
                        model.register_forward_hook(self._on_output)]
+        if clip > 0:
+            self._wrap_clip(trainer, clip)
+
+    def _wrap_clip(self, trainer: Any, clip: float) -> None:
+        """Record the Trainer's own pre-clip norm: its clip returns it, and the optimizer's
+        pre-hook (the agent's usual point) runs after the clip, on clipped gradients."""
+        original = getattr(trainer, "_clip_grad_norm", None)
+        if original is None:
+            log.warning("sentineld: this Trainer has no _clip_grad_norm; the recorded grad norm is "
+                        "the clipped one (max_grad_norm=%g)", clip)
+            return
+
+        @functools.wraps(original)
+        def clip_grad_norm(model: Any) -> Any:
+            norm = original(model)
+            w = self.watch
+            if w is not None and norm is not None:
+                import torch  # noqa: PLC0415
+
+                w.grads_ready(norm if isinstance(norm, torch.Tensor) else torch.tensor(float(norm)),
+                              clip_max=clip)
+            return norm
+
+        trainer._clip_grad_norm = clip_grad_norm
+        self._trainer = trainer
 
     def _on_forward(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         import torch  # noqa: PLC0415
@@ -216,5 +245,8 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._trainer is not None:
+            self._trainer.__dict__.pop("_clip_grad_norm", None)
+            self._trainer = None
         if self.watch is not None:
             self.watch.close(reason)

@@ -177,6 +177,16 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
                 log.warning("sentineld: %s; the replay cannot rebuild this loss from the model. "
                             "Pass recipe= (or loss_fn=) to SentineldCallback",
                             kw["recipe_args"]["custom_loss"])
+        ra = kw.get("recipe_args") if kw.get("recipe") == RECIPE else None
+        if (isinstance(ra, dict) and "loss_fn" not in kw and kw.get("localize") != "off"
+                and not ra.get("custom_loss") and not (self._k > 1 and ra.get("loss_normalized"))
+                and int(getattr(args, "world_size", 1)) == 1):
+            # The training process localizes its own incidents with the model's own loss (a
+            # loss normalized over the accumulated batch is left to the daemon's replay, whose
+            # recipe does not divide it).
+            from .transformers_replay import model_loss  # noqa: PLC0415
+
+            kw["loss_fn"] = model_loss
         self.watch = attach(model, opt, **kw)
         # Steps are numbered as the Trainer numbers them: its global_step once the step is done
         # (the 31st step is 31 in its logs and in checkpoint-31).

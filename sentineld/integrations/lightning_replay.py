@@ -200,8 +200,10 @@ def recipe_from_run(*, module_class: dict[str, Any], lightning: str = "lightning
         if scaler is not None:
             raise ValueError("manual optimization under 16-mixed is not replayed; pass a recipe")
         optimizer = optimizers[0] if len(optimizers) == 1 else JointOptimizer(optimizers)
+        # zero_grad=False: Lightning zeroes nothing itself there; gradients a step leaves (a GAN's
+        # discriminator after the generator's backward) are in the snapshot and carried on.
         return Recipe(model=model, optimizer=optimizer, loss_fn=training_step_loss, manual=True,
-                      autocast_dtype=_AUTOCAST.get(precision))
+                      zero_grad=False, autocast_dtype=_AUTOCAST.get(precision))
     return Recipe(model=model, optimizer=optimizers[0], loss_fn=training_step_loss, scheduler=scheduler,
                   scaler=scaler, clip_grad_norm=float(gradient_clip_val) if gradient_clip_val else None,
                   accumulation_steps=max(1, int(accumulate_grad_batches)),

@@ -7,9 +7,13 @@
     trainer.fit(model, datamodule)
 
 What the callback takes from the trainer: the LightningModule, its (first) optimizer and that
-optimizer's LR scheduler, the GradScaler of ``precision="16-mixed"``, ``accumulate_grad_batches``,
-``gradient_clip_val``, the global step (step numbers in the stream are Lightning's
-``global_step``) and, under DDP, one run id for all ranks (broadcast from rank 0).
+optimizer's LR scheduler (under manual optimization every optimizer, as one
+:class:`~.lightning_state.JointOptimizer`), the GradScaler of ``precision="16-mixed"``,
+``accumulate_grad_batches``, ``gradient_clip_val``, the global step (step numbers in the stream
+are Lightning's ``global_step`` as ``training_step`` reads it) and, under DDP, one run id for all
+ranks (broadcast from rank 0). Unless told ``localize="off"`` (or under DDP or manual
+optimization) the training process localizes its own incidents with ``training_step`` as the
+loss (:class:`~.lightning_replay.LiveStepLoss`); the daemon replays only if that fails.
 
 Where it hooks in, and why there:
 
@@ -19,9 +23,11 @@ Where it hooks in, and why there:
 - ``training_step`` is wrapped on the instance (restored at teardown) to keep its raw loss:
   Lightning divides ``outputs["loss"]`` by ``accumulate_grad_batches`` before the callbacks see
   it, and the replay compares the raw loss bit for bit.
-- ``on_before_optimizer_step``: the global grad norm. Lightning runs the closure (forward and
-  backward) inside ``optimizer.step``, after the optimizer's step pre-hooks, so the agent's own
-  pre-hook would see the previous step's gradients.
+- ``on_before_optimizer_step``: the global grad norm, before Lightning clips. Lightning runs the
+  closure (forward and backward) inside ``optimizer.step``, after the optimizer's step
+  pre-hooks, so the agent's own pre-hook would see the previous step's gradients (under
+  ``16-mixed`` it runs after the clip: with clipping this value is kept, and ``clipped``
+  recorded).
 - ``on_train_batch_end`` of the batch that advanced ``global_step``: the step record, with the
   list of micro-batches when accumulating.
 - ``on_exception``: the crash capture.
@@ -29,7 +35,8 @@ Where it hooks in, and why there:
 The replay needs no user code when the module called ``save_hyperparameters()``: ``run.json``
 names :func:`sentineld.integrations.lightning_replay.recipe_from_run` with the module's class
 path and hyperparameters (see that module). Each recorded batch is
-``{"batch": <the batch>, "batch_idx": <int>}``: what ``training_step`` takes.
+``{"batch": <the batch>, "batch_idx": <int>, "global_step": <int>, "current_epoch": <int>}``: what
+``training_step`` takes, and the trainer state it reads.
 """
 
 from __future__ import annotations

@@ -13,7 +13,12 @@ hyperparameters ``save_hyperparameters()`` recorded. The replay then needs no us
 - the loss of one micro-batch ``{"batch", "batch_idx"}`` is ``training_step(batch, batch_idx)``
   (its ``"loss"`` when it returns a dict), under the run's precision (``bf16-mixed`` /
   ``16-mixed`` autocast, the GradScaler of ``16-mixed``), with its accumulation and
-  norm clipping.
+  norm clipping, and with the trainer state recorded for that micro-batch
+  (:mod:`.lightning_state`: ``self.global_step``, ``self.current_epoch``, silent ``self.log``);
+- manual optimization: every optimizer of ``configure_optimizers()`` (one
+  :class:`~.lightning_state.JointOptimizer` over several, as the callback snapshotted them), and
+  ``training_step`` runs the whole step itself (``Recipe.manual``) through Lightning's own
+  ``LightningOptimizer`` wrapper.
 """
 
 from __future__ import annotations
@@ -122,7 +127,14 @@ class LiveStepLoss:
             return training_step_loss(model, micro)
 
 
-def _parse_optimizers(package: str, conf: Any, manual: bool) -> tuple[list[torch.optim.Optimizer], list[Any], Any]:
+def _parse_optimizers(package: str, conf: Any) -> tuple[torch.optim.Optimizer, Any]:
+    """One optimizer and its per-step scheduler (or None) from ``configure_optimizers()``'s output
+    (automatic optimization; preflight's too)."""
+    optimizers, _all, sched = _parse_all(package, conf, manual=False)
+    return optimizers[0], sched
+
+
+def _parse_all(package: str, conf: Any, manual: bool) -> tuple[list[torch.optim.Optimizer], list[Any], Any]:
     """``(optimizers, every scheduler, the per-step scheduler of automatic optimization or
     None)`` from ``configure_optimizers()``'s output, parsed by Lightning's own functions."""
     core = importlib.import_module(f"{package}.core.optimizer")
@@ -192,7 +204,7 @@ def recipe_from_run(*, module_class: dict[str, Any], lightning: str = "lightning
     from .lightning_state import JointOptimizer, ReplayTrainer, attach_replay_trainer  # noqa: PLC0415
 
     manual = not automatic_optimization
-    optimizers, schedulers, scheduler = _parse_optimizers(lightning, model.configure_optimizers(), manual)
+    optimizers, schedulers, scheduler = _parse_all(lightning, model.configure_optimizers(), manual)
     attach_replay_trainer(model, ReplayTrainer({**(trainer or {}), "lightning_package": lightning},
                                                optimizers, schedulers, phase=mark_phase))
     scaler = torch.amp.GradScaler(dev.type) if precision in ("16-mixed", "16") else None

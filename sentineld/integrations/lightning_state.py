@@ -179,12 +179,12 @@ class JointOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: Any = OrderedDict()
         self._zero_grad_profile_name = "JointOptimizer.zero_grad"
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return [g for o in self.optimizers for g in o.param_groups]
 
-    @property  # type: ignore[override]
-    def state(self) -> dict[Any, Any]:
+    @property
+    def state(self) -> dict[Any, Any]:  # type: ignore[override]
         out: dict[Any, Any] = {}
         for o in self.optimizers:
             out.update(o.state)

@@ -14,6 +14,15 @@ before the LR scheduler steps and gradients are zeroed). Accumulation comes from
 ``gradient_accumulation_steps``, clipping from ``max_grad_norm``, precision from ``bf16``/``fp16``
 (and the accelerator's GradScaler), optimizer and scheduler from inside accelerate's wrappers.
 
+Step numbers are the Trainer's ``state.global_step`` once the step is done: the first step is 1,
+the 31st is 31, as in the Trainer's logs and ``checkpoint-31``. The grad norm recorded is the one
+before clipping: with ``max_grad_norm > 0`` (1.0 by default) the Trainer's own clip is wrapped on
+the instance and its return value (the pre-clip norm, after unscaling) recorded, because the
+optimizer's pre-hook, the agent's usual point, runs after the clip; each record says ``clipped``.
+The training process localizes its own incidents with ``model(**batch).loss`` (not under DDP, not
+for a model that normalizes its loss over an accumulated batch, and not with ``localize="off"``:
+the daemon's replay does those).
+
 The Trainer's ``logging_nan_inf_filter`` (on by default) logs a NaN loss as the running average
 and trains on; the agent reads the model's own loss, so its alert fires at the first non-finite
 step regardless.

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -25,12 +24,13 @@ from typing import Any, Callable
 
 from sentineld.contracts.ringformat import ring_state
 from sentineld.contracts.rundir import RunMeta
+from sentineld.contracts.safeio import read_json
 from sentineld.daemon.daemon_config import DaemonConfig
 from sentineld.daemon.delivery import SecretFilter, deliver_due
 from sentineld.daemon.inprocess import InProcessVerdicts
 from sentineld.daemon.notifier import Notifier
 from sentineld.daemon.replay_runner import ReplayOutcome, run_replay_subprocess
-from sentineld.daemon.ring_recovery import recover_ring
+from sentineld.daemon.ring_recovery import MAX_RING_META_BYTES, recover_ring
 from sentineld.daemon.runwatch import RunWatch
 from sentineld.daemon.watcher import DirtyRuns
 
@@ -199,7 +199,8 @@ class RecoverThread(LoopThread):
             if now < self.retry_at.get(key, 0.0) or ring_state(d) != "dead":
                 continue
             try:
-                host = json.loads((d / "meta.json").read_text()).get("host")
+                # the safe reader: a FIFO named meta.json must not block the main loop
+                host = read_json(d / "meta.json", MAX_RING_META_BYTES).get("host")
             except (OSError, ValueError, AttributeError):
                 host = None
             self.retry_at[key] = float("inf")

@@ -184,9 +184,9 @@ class SafeDir:
         """Write ``name`` whole or not at all: yields a binary file on a fresh temp file.
 
         The temp file is ``<stem>.<32 hex>.<ext>.tmp`` (still matched by ``capture-*.h5.tmp``),
-        created ``O_EXCL | O_NOFOLLOW`` (no planted file or link can be it); on a clean exit it is flushed, fsynced (``durable``), given ``mode``
-        and renamed to ``name`` in this directory (then the directory is fsynced). On an error it
-        is removed and nothing else changed.
+        created ``O_EXCL | O_NOFOLLOW`` (no planted file or link can be it); on a clean exit it is
+        flushed, fsynced (``durable``), given ``mode`` and renamed to ``name`` in this directory
+        (then the directory is fsynced). On an error it is removed and nothing else changed.
 
         Args:
             replace: False: never touch an existing ``name`` (``FileExistsError``). True: replace

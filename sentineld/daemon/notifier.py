@@ -197,6 +197,9 @@ class Notifier:
                                 run=rw.run_id, signature="replay", step=outcome.report.get("step"),
                                 data=outcome.report)
         else:
+            # One "replay failed" page per run (issue 20 item 7): its id names no capture, so the
+            # outbox keeps the first and drops the rest (200 junk captures page once, not 200 times).
+            nid = notification_id(rw.incident_scope, "replay_failed")
             title, body = replay_failed_text(rw.run_id, cap.name, outcome.reason)
             note = Notification(id=nid, kind="verdict", title=title, body=body, severity="warning",
                                 run=rw.run_id, signature="replay_failed",

@@ -53,6 +53,7 @@ from sentineld.daemon.runwatch import RunWatch, load_progress, remove_stale_temp
 from sentineld.daemon.statedir import (
     AM_EXTRAS,
     destination_secret,
+    private_state_dir,
     take_lock,
     write_json_atomic,
     write_pidfile,
@@ -90,7 +91,7 @@ class Daemon(Alerting):
         self.clock = clock
         self.stop_event = threading.Event()
         self.dirty = DirtyRuns(config.runs_dir)
-        self.state_dir = make_private_dir(config.state_dir)
+        self.state_dir = private_state_dir(config.state_dir)  # ours, writable by no one else
         self.progress_dir = make_private_dir(self.state_dir / "progress")
         self.replays_dir = make_private_dir(self.state_dir / "replays")
         self.runs: dict[str, RunWatch] = {}

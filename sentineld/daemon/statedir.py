@@ -16,11 +16,12 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from sentineld.contracts.safeio import read_json, read_regular, write_atomic
+from sentineld.contracts.rundir import RunDirError, make_private_dir
+from sentineld.contracts.safeio import SafeDir, read_json, read_regular, write_atomic
 
 __all__ = ["AlreadyRunning", "daemon_pid", "read_status", "write_status", "take_lock",
            "write_pidfile", "write_json_atomic", "destination_secret", "LOCK_NAME", "PID_NAME", "STATUS_NAME",
-           "AM_EXTRAS", "read_state_json", "MAX_STATE_BYTES"]
+           "AM_EXTRAS", "read_state_json", "private_state_dir", "MAX_STATE_BYTES"]
 
 log = logging.getLogger("sentineld.daemon")
 
@@ -74,6 +75,22 @@ def write_pidfile(state_dir: Path) -> Path:
     pidfile = state_dir / PID_NAME
     write_atomic(pidfile, f"{os.getpid()}\n", durable=False)
     return pidfile
+
+
+def private_state_dir(path: Path) -> Path:
+    """Create the state dir (0700) or check the existing one: ours and writable by no one else,
+    since everything in it is read back (another user's FIFO or link there must never be).
+
+    Raises:
+        RunDirError: it cannot be created, is another user's, or others may write it (the
+            message says what to do).
+    """
+    p = make_private_dir(path)
+    try:
+        SafeDir.open(p, owners=(os.geteuid(),), private=True, follow=True).close()
+    except OSError as exc:
+        raise RunDirError(f"state dir {exc}; use a state dir of your own (--state-dir)") from None
+    return p
 
 
 def read_status(state_dir: Path) -> dict[str, Any] | None:

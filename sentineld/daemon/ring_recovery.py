@@ -8,6 +8,7 @@ Format: :mod:`sentineld.contracts.ringformat`.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -30,7 +31,7 @@ from sentineld.contracts.ringformat import (
     step_file,
 )
 from sentineld.contracts.rundir import RunDir, stream_path
-from sentineld.contracts.safeio import SafeDir, json_depth_ok
+from sentineld.contracts.safeio import SafeDir, UnsafeDirError, json_depth_ok
 from sentineld.contracts.stream import read_stream
 from sentineld.contracts.triggers import CRASH
 
@@ -73,8 +74,12 @@ def read_ring_meta(ring: SafeDir) -> dict[str, Any]:
 
 
 def _open_ring(ring_dir: Path) -> tuple[SafeDir, SafeDir] | None:
-    """The run dir and the ring dir, opened by descriptor; None (logged) when the ring is not
-    one its run's owner wrote for itself: a link, another owner's, or writable by others."""
+    """The run dir and the ring dir, opened by descriptor; None when the run dir is gone.
+
+    Raises:
+        UnsafeDirError: the ring is not one its run's owner wrote for itself (a link, another
+            owner's, or writable by others); it is left alone.
+    """
     try:
         run = SafeDir.open(ring_dir.parent, follow=True)
     except OSError:
@@ -83,8 +88,8 @@ def _open_ring(ring_dir: Path) -> tuple[SafeDir, SafeDir] | None:
         ring = SafeDir.open(ring_dir, parent=run, owners=(run.st.st_uid,), private=True)
     except OSError as exc:
         run.close()
-        log.warning("%s is not an on-disk ring sentineld can trust (%s); left alone", ring_dir, exc)
-        return None
+        raise UnsafeDirError(errno.EPERM, f"{ring_dir} is not an on-disk ring sentineld can trust "
+                                          f"({exc}); left alone") from None
     return run, ring
 
 
@@ -98,12 +103,12 @@ def recover_ring(ring_dir: Path, who: str = "sentineld") -> Path | None:
     written through and an existing capture is never replaced.
 
     Returns:
-        The capture's path, or None when the writer is alive (the directory stays), the ring is
-        not trusted (left alone), or it holds no snapshot followed by a step (nothing to replay;
-        the directory is deleted).
+        The capture's path, or None when the writer is alive (the directory stays), or it holds
+        no snapshot followed by a step (nothing to replay; the directory is deleted).
 
     Raises:
-        OSError: the capture cannot be written (the ring is kept for another try).
+        OSError: the capture cannot be written (the ring is kept for another try);
+            ``UnsafeDirError``: the ring cannot be trusted (left alone).
     """
     ring_dir = Path(ring_dir)
     opened = _open_ring(ring_dir)

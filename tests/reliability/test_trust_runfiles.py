@@ -15,10 +15,12 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Iterator
 
 import pytest
 
@@ -60,6 +62,18 @@ def _train(runs: Path, run_id: str) -> subprocess.CompletedProcess[str]:
     script.write_text(TRAIN)
     return subprocess.run([sys.executable, str(script), str(runs), run_id], cwd=REPO, check=True,
                           timeout=120, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def template() -> Iterator[Path]:
+    """One trained run (NaN at step 5, a nonfinite capture, its in-process verdict), trained once
+    and copied by the tests that need a real run's files."""
+    base = Path(tempfile.mkdtemp(prefix="sentineld-tmpl-", dir="/tmp"))
+    base.chmod(0o755)
+    (base / "runs").mkdir(mode=0o700)
+    _train(base / "runs", "t")
+    yield base / "runs" / "t"
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def _precious(shared_dir: Path) -> Path:
@@ -211,15 +225,13 @@ def _forged(run_id: str, capture: str) -> str:
 
 
 @pytest.mark.parametrize("case", ["names_another_run", "next_to_our_capture"])
-def test_forged_verdicts_are_not_delivered_and_are_counted(mallory, shared, make_daemon, tmp_path, case):  # noqa: F811
+def test_forged_verdicts_are_not_delivered_and_are_counted(mallory, shared, template, make_daemon, tmp_path,  # noqa: F811
+                                                           case):
     """49179bb: her verdict naming run exp1 went out as "replay of run exp1"; in her pre-created
     dir her verdict for the victim's own capture was sent before the victim's."""
-    tmpl = shared / "tmpl"
-    tmpl.mkdir()
-    _train(tmpl, "t")
     runs = _shared_runs(shared)
-    cap = next((tmpl / "t").glob("capture-rank0-*-nonfinite.h5")).name
-    run = _copy_run(tmpl / "t", runs / "r1", {"run_id": "r1", "recipe": None, "pid": 999999,
+    cap = next(template.glob("capture-rank0-*-nonfinite.h5")).name
+    run = _copy_run(template, runs / "r1", {"run_id": "r1", "recipe": None, "pid": 999999,
                                                "extra": {"localize": "thread"}})
     verdict = run / cap.replace(".h5", ".verdict.json")
     if case == "names_another_run":  # her run, her files, a verdict naming someone else's run
@@ -251,12 +263,9 @@ def _junk_run(who, runs: Path, n: int, pid: int) -> None:  # noqa: ANN001
                         "i=$((i+1)); done")
 
 
-def _our_run_with_its_verdict(shared_dir: Path, runs: Path) -> None:
-    tmpl = shared_dir / "tmpl"
-    tmpl.mkdir()
-    _train(tmpl, "t")
-    cap = next((tmpl / "t").glob("capture-rank0-*-nonfinite.h5")).name
-    ours = _copy_run(tmpl / "t", runs / "zz-ours", {"run_id": "zz-ours", "recipe": None, "pid": 999999,
+def _our_run_with_its_verdict(template: Path, runs: Path) -> None:
+    cap = next(template.glob("capture-rank0-*-nonfinite.h5")).name
+    ours = _copy_run(template, runs / "zz-ours", {"run_id": "zz-ours", "recipe": None, "pid": 999999,
                                                    "extra": {"localize": "thread"}})
     report = json.loads(_forged("zz-ours", cap))
     report.update(module="0", cause="ours", fix="")
@@ -274,10 +283,11 @@ def test_a_flood_of_junk_captures_pages_replay_failed_once(mallory, shared, make
     assert len(failed) == 1 and failed[0]["signature"] == "replay_failed" and failed[0]["run"] == "flood"
 
 
-def test_a_flood_of_captures_delays_another_runs_verdict_by_at_most_one(mallory, shared, make_daemon, tmp_path):  # noqa: F811
+def test_a_flood_of_captures_delays_another_runs_verdict_by_at_most_one(mallory, shared, template,  # noqa: F811
+                                                                         make_daemon, tmp_path):
     """49179bb: 3000 junk captures of one run delayed another run's verdict to 160 s."""
     runs = _shared_runs(shared)
-    _our_run_with_its_verdict(shared, runs)
+    _our_run_with_its_verdict(template, runs)
     sleeper = subprocess.Popen(["sleep", "300"])  # her "live" process: each junk capture keeps waiting
     try:
         _junk_run(mallory, runs, 3000, pid=sleeper.pid)
@@ -348,14 +358,11 @@ def test_damaged_state_files_never_stop_the_daemon(make_daemon, tmp_path, damage
 
 
 # -------------------------------------------------------------------- item 6: report.html
-def test_report_never_writes_through_her_report_link(mallory, shared):  # noqa: F811
+def test_report_never_writes_through_her_report_link(mallory, shared, template):  # noqa: F811
     """49179bb: `sentineld report` wrote through report.html.tmp when it was her symlink."""
     runs = _shared_runs(shared)
     precious = _precious(shared)
-    tmpl = shared / "tmpl"
-    tmpl.mkdir()
-    _train(tmpl, "t")
-    run = _copy_run(tmpl / "t", runs / "hers", {"run_id": "hers"})
+    run = _copy_run(template, runs / "hers", {"run_id": "hers"})
     _chown_tree(run, mallory)
     run.chmod(0o755)
     as_mallory(mallory, f"ln -s {precious} {run}/report.html.tmp")

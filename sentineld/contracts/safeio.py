@@ -244,7 +244,9 @@ class SafeDir:
 def write_atomic(path: str | os.PathLike[str], data: bytes | str, **kw: Any) -> int:
     """Write ``path`` atomically through its directory (see :meth:`SafeDir.create`); its size."""
     p = Path(path)
-    with SafeDir.open(p.parent) as d:
+    # The folder is one the caller chose (a config, a CLI argument), so a link to it is followed;
+    # what protects the write is the temp file and rename relative to its descriptor.
+    with SafeDir.open(p.parent, follow=True) as d:
         return d.write(p.name, data, **kw)
 
 

@@ -15,9 +15,15 @@ those active, with no recovery notice, until they are. The rules, per signature:
   (or the rule's own window when longer) are finite: a loss and, where recorded, a grad norm that
   are neither nan nor inf. ``nonfinite`` has its own re-arm rule (20 finite steps,
   :mod:`sentineld.contracts.nonfinite`); ``stalled`` is over when records arrive.
+- the per-module rules judged on sampled steps (``update_ratio``, ``dead_relu``,
+  ``saturated_activation``, ``missing_gradients``, ``gradients_not_applied``): also their own
+  number of sampled steps (``patience`` / ``layer_patience``) after the alert's step, every one of
+  them finite (a one-step update ratio of 8 "falls by itself" on the next sample as the weights
+  blow up: that is not a recovery).
 - ``plateau``: the loss left the flagged band: the median of the last ``chunk`` finite losses is
-  below ``stuck_fraction`` x the reference or above ``max_fraction`` x it, or improved by at least
-  ``min_improvement`` on the median the alert was raised at.
+  below ``stuck_fraction`` x the reference or above ``max_fraction`` x it (a 10-step median of
+  minibatch losses moves by more than ``min_improvement`` = 5% by noise alone: the band's edges,
+  not that share, say the loss moved).
 - ``divergence_spike``: every loss of the window is back under the bar the alert was raised at.
 - ``divergence_growth``: the median of the last ``chunk`` losses is back under ``ratio`` x the
   lowest chunk median the alert saw.
@@ -67,8 +73,30 @@ def _finite_record(r: Any) -> bool:
     return g is None or finite(g) is not None
 
 
+def _sampled_needed(signature: str, config: SignatureConfig) -> int:
+    return {"update_ratio": config.update_ratio.patience,
+            "dead_relu": config.dead_relu.patience,
+            "saturated_activation": config.saturated_activation.patience,
+            "missing_gradients": config.missing_gradients.layer_patience,
+            "gradients_not_applied": config.gradients_not_applied.layer_patience}.get(signature, 0)
+
+
+def _sampled_since(records: Sequence[StepRecord], step: int, need: int) -> bool:
+    """``need`` sampled records (with layers, optimizer ran) after ``step``, all finite."""
+    seen = 0
+    for r in reversed(records):
+        if getattr(r, "step", -1) <= step:
+            break
+        if getattr(r, "layers", None) and not getattr(r, "optimizer_skipped", False):
+            if not _finite_record(r):
+                return False
+            seen += 1
+    return seen >= need
+
+
 def shown_resolved(signature: str, numbers: Mapping[str, Any], records: Sequence[StepRecord],
-                   config: SignatureConfig | None = None, num_classes: int | None = None) -> bool:
+                   config: SignatureConfig | None = None, num_classes: int | None = None,
+                   since_step: int | None = None) -> bool:
     """True when the records show ``signature``'s condition over (see the module docstring).
 
     Args:
@@ -77,6 +105,8 @@ def shown_resolved(signature: str, numbers: Mapping[str, Any], records: Sequence
         records: the rank's window, oldest first.
         config: the daemon's signature config; None uses the defaults.
         num_classes: classes of a classification loss, or None.
+        since_step: the alert's step (the sampled-step rules count samples after it); None:
+            the window's first step.
 
     Returns:
         The answer; False on too little finite data. Never raises.
@@ -89,6 +119,9 @@ def shown_resolved(signature: str, numbers: Mapping[str, Any], records: Sequence
     try:
         recent = list(tail(records, resolve_window(signature, cfg)))
         if len(recent) < resolve_window(signature, cfg) or not all(map(_finite_record, recent)):
+            return False
+        need = _sampled_needed(signature, cfg)
+        if need and not _sampled_since(records, since_step if since_step is not None else -1, need):
             return False
         check = _CHECKS.get(signature)
         return True if check is None else check(numbers, recent, cfg, num_classes)
@@ -106,13 +139,11 @@ def _num(numbers: Mapping[str, Any], key: str) -> float | None:
 def _plateau(numbers: Mapping[str, Any], recent: Sequence[StepRecord], cfg: SignatureConfig,
              num_classes: int | None) -> bool:
     pc = cfg.plateau
-    ref, flagged = _num(numbers, "reference"), _num(numbers, "loss_median")
+    ref = _num(numbers, "reference")
     now = median([v for _, v in finite_losses(recent)][-pc.chunk:])
-    if ref is None or flagged is None or math.isnan(now):
+    if ref is None or math.isnan(now):
         return True  # an alert without its band (an old saved state): the detector decides
-    if now < pc.stuck_fraction * ref or now > pc.max_fraction * ref:
-        return True
-    return flagged > 0 and (flagged - now) / flagged >= pc.min_improvement
+    return now < pc.stuck_fraction * ref or now > pc.max_fraction * ref
 
 
 def _spike(numbers: Mapping[str, Any], recent: Sequence[StepRecord], cfg: SignatureConfig,
@@ -173,7 +204,11 @@ def unresolved(active: Mapping[str, Mapping[str, Any]],
             numbers = saved.get("numbers") or {}
         except AttributeError:
             continue
-        if not windows or any(not shown_resolved(sig, numbers, w, config, num_classes)
+        try:
+            since = int(saved.get("step", -1))
+        except (TypeError, ValueError):
+            since = -1
+        if not windows or any(not shown_resolved(sig, numbers, w, config, num_classes, since)
                               for w in windows.values()):
             out.add(key)
     return out

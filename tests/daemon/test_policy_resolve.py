@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from sentineld.contracts.records import StepRecord
+from sentineld.contracts.records import LayerStats, StepRecord
 from sentineld.daemon.policy import decide
 from sentineld.signatures import SignatureConfig, shown_resolved, unresolved
 
@@ -72,6 +72,15 @@ def _recs(losses, norms, start=0) -> list[StepRecord]:
     return [StepRecord(step=start + i, loss=loss, grad_norm=g) for i, (loss, g) in enumerate(zip(losses, norms))]
 
 
+def _sampled(losses, at, nan_at=None) -> list[StepRecord]:
+    """Records 100.. with layer stats at the offsets ``at`` (the alert was at step 100)."""
+    out = []
+    for i, loss in enumerate(losses):
+        layers = {"fc": LayerStats(grad_norm=NAN if i == nan_at else 0.1, param_norm=1.0)} if i in at else None
+        out.append(StepRecord(step=100 + i, loss=loss, grad_norm=NAN if i == nan_at else 0.5, layers=layers))
+    return out
+
+
 PLATEAU = {"loss_median": LN3, "reference": LN3}
 CFG = SignatureConfig()
 
@@ -79,8 +88,8 @@ CFG = SignatureConfig()
 RESOLVE_ROWS = [
     ("plateau: loss still at ln 3", "plateau", PLATEAU, _recs([LN3] * 20, [0.2] * 20), False),
     ("plateau: loss fell below the band", "plateau", PLATEAU, _recs([0.5] * 20, [0.2] * 20), True),
-    ("plateau: loss improved 5% on the flagged median", "plateau", PLATEAU,
-     _recs([0.94 * LN3] * 20, [0.2] * 20), True),
+    ("plateau: 6% lower is still in the band (minibatch noise)", "plateau", PLATEAU,
+     _recs([0.94 * LN3] * 20, [0.2] * 20), False),
     ("plateau: loss left upward (divergence's, not plateau's)", "plateau", PLATEAU,
      _recs([2.0 * LN3] * 20, [0.2] * 20), True),
     ("plateau: NaN data", "plateau", PLATEAU, _recs([NAN] * 20, [NAN] * 20), False),
@@ -102,9 +111,12 @@ RESOLVE_ROWS = [
      _recs([0.4] * 20, [0.5] * 20), True),
     ("divergence_growth: loss still high", "divergence_growth", {"loss_median_min": 0.1},
      _recs([2.0] * 20, [0.5] * 20), False),
-    ("dead_relu: finite window", "dead_relu", {}, _recs([0.4] * 20, [0.5] * 20), True),
+    ("dead_relu: finite window, 2 samples since", "dead_relu", {}, _sampled([0.4] * 20, [5, 15]), True),
+    ("dead_relu: one sample since", "dead_relu", {}, _sampled([0.4] * 20, [15]), False),
+    ("update_ratio: a NaN sample since", "update_ratio", {}, _sampled([0.4] * 20, [3, 9, 15], nan_at=9), False),
+    ("update_ratio: 3 finite samples since", "update_ratio", {}, _sampled([0.4] * 20, [3, 9, 15]), True),
     ("dead_relu: one NaN step in the window", "dead_relu", {},
-     _recs([0.4] * 19 + [NAN], [0.5] * 20), False),
+     _sampled([0.4] * 19 + [NAN], [5, 15]), False),
     ("initial_loss: a fact about step 0", "initial_loss", {"loss": 40.0}, _recs([0.4] * 20, [0.5] * 20), False),
     ("nonfinite: its own re-arm rule", "nonfinite", {}, _recs([NAN] * 20, [NAN] * 20), True),
     ("stalled: records came", "stalled", {}, _recs([NAN] * 2, [NAN] * 2), True),
@@ -114,7 +126,7 @@ RESOLVE_ROWS = [
 @pytest.mark.parametrize("row", RESOLVE_ROWS, ids=[r[0] for r in RESOLVE_ROWS])
 def test_shown_resolved_rows(row) -> None:
     _name, sig, numbers, records, expected = row
-    assert shown_resolved(sig, numbers, records, CFG, None) is expected
+    assert shown_resolved(sig, numbers, records, CFG, None, since_step=100) is expected
 
 
 def test_unresolved_needs_every_rank() -> None:

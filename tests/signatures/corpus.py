@@ -9,7 +9,7 @@ it. A run with ``fault`` set is a planted fault on the same recipe: its signatur
 fire (the floors must not blind the rules). The Lightning and Hugging Face runs are in
 :mod:`tests.signatures.corpus_frameworks` (a subprocess: one import of each framework).
 
-Runs are tiny (CPU, 80-300 steps, one thread); :func:`record_all` trains every run once into a
+Runs are tiny (CPU, 100-160 steps, one thread); :func:`record_all` trains every run once into a
 directory and returns the records.
 """
 
@@ -54,7 +54,7 @@ class Run:
 
     name: str
     build: Callable[[], tuple[nn.Module, torch.optim.Optimizer, Any, Iterator[Batch]]]
-    steps: int = 200
+    steps: int = 150
     num_classes: int | None = 10
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy
     amp: torch.dtype | None = None
@@ -208,7 +208,7 @@ def b_label_noise_50() -> Any:
 def b_warmup_cosine_adamw() -> Any:
     m = mlp(seed=6)
     opt = torch.optim.AdamW(m.parameters(), 3e-3, weight_decay=0.01)
-    return m, opt, _warmup_cosine(opt, 20, 200), _digits(seed=6)
+    return m, opt, _warmup_cosine(opt, 15, 150), _digits(seed=6)
 
 
 def b_finetune_small_lr() -> Any:
@@ -227,7 +227,7 @@ def b_finetune_small_lr() -> Any:
 def b_clip_transformer() -> Any:
     m = transformer(seed=8)
     opt = torch.optim.AdamW(m.parameters(), 2e-3, weight_decay=0.01)
-    return m, opt, _warmup_cosine(opt, 20, 200), _digits(batch=32, seed=8)
+    return m, opt, _warmup_cosine(opt, 15, 120), _digits(batch=32, seed=8)
 
 
 def b_clip_tight_sgd() -> Any:  # clips at 0.1: nearly every step clipped
@@ -248,7 +248,7 @@ def b_adamw_decay() -> Any:
 def b_tiny_lm() -> Any:
     m = _seeded(12, TinyLM)
     opt = torch.optim.AdamW(m.parameters(), 3e-3, weight_decay=0.01)
-    return m, opt, _warmup_cosine(opt, 20, 200), _text(seed=12)
+    return m, opt, _warmup_cosine(opt, 15, 120), _text(seed=12)
 
 
 def b_bf16() -> Any:
@@ -333,13 +333,13 @@ def b_adagrad() -> Any:
 def b_onecycle() -> Any:
     m = mlp(seed=28)
     opt = torch.optim.SGD(m.parameters(), 0.1, momentum=0.9)
-    return m, opt, torch.optim.lr_scheduler.OneCycleLR(opt, 0.2, total_steps=200), _digits(seed=28)
+    return m, opt, torch.optim.lr_scheduler.OneCycleLR(opt, 0.2, total_steps=150), _digits(seed=28)
 
 
 def b_linear_decay_to_zero() -> Any:
     m = mlp(seed=29)
     opt = _adam(m, 2e-3)
-    return m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / 200)), _digits(seed=29)
+    return m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / 150)), _digits(seed=29)
 
 
 def b_gru() -> Any:
@@ -420,19 +420,19 @@ HEALTHY_RUNS: list[Run] = [
     Run("label_noise_50", b_label_noise_50, kind="50% random labels"),
     Run("warmup_cosine_adamw", b_warmup_cosine_adamw, kind="warm-up + cosine"),
     Run("finetune_lr_1e-5", b_finetune_small_lr, kind="fine-tuning at a small lr"),
-    Run("clip_transformer", b_clip_transformer, clip=1.0, kind="clipping at 1.0, transformer"),
+    Run("clip_transformer", b_clip_transformer, clip=1.0, steps=120, kind="clipping at 1.0, transformer"),
     Run("clip_0.1_sgd", b_clip_tight_sgd, clip=0.1, kind="clipping on nearly every step"),
     Run("cnn_batchnorm", b_cnn_batchnorm, kind="BatchNorm CNN"),
     Run("adamw_decay_0.1", b_adamw_decay, kind="AdamW with decay"),
-    Run("tiny_causal_lm", b_tiny_lm, num_classes=16, loss_fn=_lm_loss, kind="small transformer LM"),
+    Run("tiny_causal_lm", b_tiny_lm, steps=120, num_classes=16, loss_fn=_lm_loss, kind="small transformer LM"),
     Run("bf16_autocast", b_bf16, amp=torch.bfloat16, kind="bf16 autocast"),
     Run("fp16_gradscaler", b_fp16_gradscaler, amp=torch.float16, scaler=True, kind="fp16 + GradScaler"),
     Run("sgd_momentum", b_sgd_momentum, kind="SGD momentum + weight decay"),
     Run("sgd_nesterov", b_sgd_nesterov, kind="SGD Nesterov"),
-    Run("batch_4", _batch_size(4, 3e-4, 17), kind="batch size 4"),
+    Run("batch_4", _batch_size(4, 1e-3, 17), kind="batch size 4"),
     Run("batch_32", _batch_size(32, 1e-3, 18), kind="batch size 32"),
-    Run("batch_512", _batch_size(512, 3e-3, 19), steps=120, kind="batch size 512"),
-    Run("accumulate_4", b_accumulate_4, accum=4, steps=120, kind="4 micro-batches per step"),
+    Run("batch_512", _batch_size(512, 3e-3, 19), steps=100, kind="batch size 512"),
+    Run("accumulate_4", b_accumulate_4, accum=4, steps=100, kind="4 micro-batches per step"),
     Run("tanh_mlp", b_tanh, kind="Tanh MLP"),
     Run("sigmoid_bce", b_sigmoid_bce, num_classes=2, loss_fn=F.binary_cross_entropy, kind="Sigmoid + BCE"),
     Run("residual_layernorm", b_residual_layernorm, kind="residual GELU + LayerNorm"),
@@ -463,9 +463,9 @@ FAULT_RUNS: list[Run] = [
     Run("memorise_adam.fault_nan", b_memorise_adam, num_classes=4, steps=120, expect="nonfinite",
         fault=_at(100, lambda m, o, st: m[0].weight.__setitem__((0, 0), math.nan)),
         kind="converged run, a NaN weight at step 100"),
-    Run("warmup_cosine.fault_labels_shifted", b_warmup_cosine_adamw, steps=200, expect="divergence_spike",
-        fault=_at(150, lambda m, o, st: st.__setitem__("shift_labels", True)),
-        kind="labels off by one from step 150"),
+    Run("warmup_cosine.fault_labels_shifted", b_warmup_cosine_adamw, steps=130, expect="divergence_spike",
+        fault=_at(100, lambda m, o, st: st.__setitem__("shift_labels", True)),
+        kind="labels off by one from step 100"),
 ]
 
 RUNS = HEALTHY_RUNS + FAULT_RUNS

@@ -36,6 +36,9 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: A
             ``optimizer.step()``): the recorded grad norm is then the pre-clip one, taken at the
             end of backward, and each record's ``clipped`` says whether the clip applied; the
             in-process replay clips the same way. Under DDP the norm stays the one at the step.
+        signatures: this run's signature settings over the daemon's, e.g.
+            ``{"plateau": {"enabled": False}, "exploding_gradients": {"ratio": 20.0}}`` (stored
+            in run.json; keys as in the daemon config's ``signatures`` section, docs/signatures.md).
         config: :class:`AgentConfig`, or pass its fields as keywords (e.g. ``metrics_port=0``).
 
     Raises:

@@ -58,7 +58,7 @@ from .recorder import StepRecorder
 from .ring import Ring
 from .runfiles import open_run_files
 from .runinfo import dist_rank, unwrap
-from .wiring import check_args, run_extra, start_disk_ring, start_metrics
+from .wiring import check_args, check_signatures, run_extra, start_disk_ring, start_metrics
 
 __all__ = ["Watch"]
 
@@ -93,11 +93,13 @@ class Watch:
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
         localize: str = "thread",
         clip_grad_norm: float | None = None,
+        signatures: dict[str, dict[str, Any]] | None = None,
         config: AgentConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         run_id = check_args(model, optimizer, run_id, recipe, recipe_args)
+        extra = {"signatures": check_signatures(signatures)} if signatures else {}
         cfg = self.config = config or AgentConfig()
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         # DDP/FSDP-style wrappers hold the real model in .module: snapshots and parameter names
@@ -112,7 +114,7 @@ class Watch:
         files = open_run_files(Path(runs_dir or default_runs_dir()).expanduser(), run_id, self.rank, world,
                                recipe=recipe, recipe_args=dict(recipe_args or {}),
                                num_classes=num_classes, flush_s=cfg.flush_s,
-                               wall_clock=wall_clock, extra=run_extra(self._live, localize, self._inner))
+                               wall_clock=wall_clock, extra={**run_extra(self._live, localize, self._inner), **extra})
         self.run_id, self.run_dir, self.stream, self.enabled = files.run_id, files.run_dir, files.stream, files.ok
         if self._live is not None:
             self._live.run_id = self.run_id

@@ -41,12 +41,12 @@ from .loss import (
 )
 from .numerics import LossScaleConfig, NonfiniteConfig, detect_loss_scale_collapse, detect_nonfinite
 from .resolve import shown_resolved, unresolved
-from .signature_config import SignatureConfig
+from .signature_config import SignatureConfig, run_signature_config
 from .updates import NotAppliedConfig, UpdateRatioConfig, detect_gradients_not_applied, detect_update_ratio
 from .zero_grad import ZeroGradConfig, detect_forgotten_zero_grad
 
 __all__ = [
-    "evaluate", "unresolved", "shown_resolved", "Verdict", "Severity", "SIGNATURES", "SignatureConfig",
+    "evaluate", "run_signature_config", "unresolved", "shown_resolved", "Verdict", "Severity", "SIGNATURES", "SignatureConfig",
     "NonfiniteConfig", "LossScaleConfig", "DivergenceSpikeConfig", "DivergenceGrowthConfig",
     "PlateauConfig", "OscillationConfig", "InitialLossConfig", "ExplodingConfig",
     "VanishingConfig", "MissingGradientsConfig", "ZeroGradConfig", "NotAppliedConfig",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -50,6 +50,8 @@ class Run:
         fault: ``(step, model, optimizer, state) -> None`` at each step's start, or None.
         expect: the signature the fault must raise (None for healthy runs).
         kind: what this run stands for in the corpus.
+        resolves: the fault's own signature may resolve while the fault lasts (an update ratio
+            above 1 falls by itself on the next samples as the weights blow up).
     """
 
     name: str
@@ -64,7 +66,7 @@ class Run:
     fault: Callable[[int, nn.Module, torch.optim.Optimizer, dict[str, Any]], None] | None = None
     expect: str | None = None
     kind: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    resolves: bool = False
 
 
 # ----------------------------------------------------------------------------- data
@@ -458,7 +460,7 @@ FAULT_RUNS: list[Run] = [
         fault=_at(80, _explode), kind="clipped at 1.0, a gradient x1e3 from step 80"),
     Run("label_noise_20.fault_random_labels", b_label_noise_20, steps=160, expect="plateau",
         fault=_at(0, lambda m, o, st: st.__setitem__("random_labels", True)), kind="every label random"),
-    Run("adamw_decay.fault_lr_2", b_adamw_decay, steps=140, expect="update_ratio",
+    Run("adamw_decay.fault_lr_2", b_adamw_decay, steps=140, expect="update_ratio", resolves=True,
         fault=_at(100, _lr(2.0)), kind="lr 2e-3 -> 2.0 at step 100"),
     Run("memorise_adam.fault_nan", b_memorise_adam, num_classes=4, steps=120, expect="nonfinite",
         fault=_at(100, lambda m, o, st: m[0].weight.__setitem__((0, 0), math.nan)),

@@ -46,7 +46,8 @@ from .updates import NotAppliedConfig, UpdateRatioConfig, detect_gradients_not_a
 from .zero_grad import ZeroGradConfig, detect_forgotten_zero_grad
 
 __all__ = [
-    "evaluate", "run_signature_config", "unresolved", "shown_resolved", "Verdict", "Severity", "SIGNATURES", "SignatureConfig",
+    "evaluate", "run_signature_config", "unresolved", "shown_resolved",
+    "Verdict", "Severity", "SIGNATURES", "SignatureConfig",
     "NonfiniteConfig", "LossScaleConfig", "DivergenceSpikeConfig", "DivergenceGrowthConfig",
     "PlateauConfig", "OscillationConfig", "InitialLossConfig", "ExplodingConfig",
     "VanishingConfig", "MissingGradientsConfig", "ZeroGradConfig", "NotAppliedConfig",

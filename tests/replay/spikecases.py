@@ -1,0 +1,198 @@
+"""Planted faults for the counterfactual engine (spike, what-if, reproducibility), each with the
+right answer known from how it is planted. Recipes are named ``tests.replay.spikecases:make_<x>``
+(the tests train with the repository root as working directory).
+
+Spikes (a finite loss jump):
+
+- ``data``: step ``AT``'s batch has samples :data:`BAD_SAMPLES` negated and scaled x20;
+- ``lr_jump``: a LambdaLR whose factor is 50 at step ``AT`` only (SGD): the update of step AT
+  jumps, the loss of step AT+1 spikes on any batch (cause state, quantity lr);
+- ``adam_module``: an Adam whose second moment ``exp_avg_sq`` of module ``body`` collapses to 0
+  at optimizer step ``AT``, a step whose body gradient is small (x1e-2): Adam's normalized step
+  m / sqrt(v) of body jumps ~1000x (Molybog et al.'s instability: a second moment ~0 against the
+  first); cause state, module body, quantity second moment.
+
+Non-finite faults (what-if / reproducibility):
+
+- ``log_zero``: ``log(sigmoid(z))`` in the head, whose sigmoid underflows to 0 for the batch of
+  step ``AT`` (inputs x1e3 there): -inf in forward (an eps / clamp / logsigmoid fix; software);
+- ``lr_high``: SGD at lr 40 from step ``AT`` (a schedule factor): the loss overflows within a few
+  steps (lr x0.1 or clipping keeps it finite);
+- ``transient``: a module that corrupts its output only in the training process, from a source
+  outside the capture (a module-level flag the replay never sets): transient;
+- ``fp16_overflow``: float16 parameters and a layer whose activations pass 65504 at step ``AT``
+  (inputs x300 there), finite in float32: precision.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sentineld.contracts.recipe import Recipe
+
+AT = 40
+BAD_SAMPLES = (5, 17, 22)
+BATCH = 32
+FEATURES = 16
+CLASSES = 4
+
+#: Set only by the training loop of the ``transient`` case (never in a replay process).
+CORRUPT_IN_TRAINING = {"on": False}
+
+
+class Net(nn.Module):
+    """body -> relu -> head."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.body = nn.Linear(FEATURES, hidden)
+        self.head = nn.Linear(hidden, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+class LogSigmoidHead(nn.Module):
+    """A binary-style head written as log(sigmoid(.)): -inf once sigmoid underflows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(FEATURES, 32)
+        self.head = nn.Linear(32, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(torch.sigmoid(self.head(torch.relu(self.body(x)))))
+
+
+class Flaky(nn.Module):
+    """Net whose body output is corrupted while :data:`CORRUPT_IN_TRAINING` is on (training only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(FEATURES, 32)
+        self.head = nn.Linear(32, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        if CORRUPT_IN_TRAINING["on"]:
+            h = h * float("inf")  # a bit flip in the training process's memory, say
+        return self.head(torch.relu(h))
+
+
+class GlitchAdam(torch.optim.Adam):
+    """Adam whose ``exp_avg_sq`` of the param groups flagged ``glitch`` collapses at step AT (and
+    their gradient is small that step, so the new squared gradient does not refill it)."""
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        for g in self.param_groups:
+            if not g.get("glitch"):
+                continue
+            for p in g["params"]:
+                st = self.state.get(p)
+                if st and int(st["step"]) == AT and p.grad is not None:  # optimizer step AT (0-based)
+                    st["exp_avg_sq"].zero_()
+                    p.grad.mul_(1e-2)
+        return super().step(closure)
+
+
+def ce(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def nll(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return F.nll_loss(model(x), y)
+
+
+def make_data() -> Recipe:
+    torch.manual_seed(0)
+    m = Net()
+    return Recipe(model=m, optimizer=torch.optim.Adam(m.parameters(), 1e-2), loss_fn=ce)
+
+
+def make_lr_jump() -> Recipe:
+    torch.manual_seed(0)
+    m = Net()
+    opt = torch.optim.SGD(m.parameters(), 0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 50.0 if s == AT else 1.0)
+    return Recipe(model=m, optimizer=opt, loss_fn=ce, scheduler=sched)
+
+
+def make_adam_module() -> Recipe:
+    torch.manual_seed(0)
+    m = Net()
+    opt = GlitchAdam([{"params": m.body.parameters(), "glitch": True}, {"params": m.head.parameters()}], lr=1e-3)
+    return Recipe(model=m, optimizer=opt, loss_fn=ce)
+
+
+def make_log_zero() -> Recipe:
+    torch.manual_seed(0)
+    m = LogSigmoidHead()
+    return Recipe(model=m, optimizer=torch.optim.Adam(m.parameters(), 1e-3), loss_fn=nll)
+
+
+def make_lr_high() -> Recipe:
+    torch.manual_seed(0)
+    m = Net()
+    opt = torch.optim.SGD(m.parameters(), 0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 400.0 if s >= AT else 1.0)
+    return Recipe(model=m, optimizer=opt, loss_fn=ce, scheduler=sched)
+
+
+def make_transient() -> Recipe:
+    torch.manual_seed(0)
+    m = Flaky()
+    return Recipe(model=m, optimizer=torch.optim.SGD(m.parameters(), 0.05), loss_fn=ce)
+
+
+def make_fp16_overflow() -> Recipe:
+    torch.manual_seed(0)
+    m = Net(hidden=64).half()
+    return Recipe(model=m, optimizer=torch.optim.SGD(m.parameters(), 0.01), loss_fn=ce)
+
+
+CASES = {"data": make_data, "lr_jump": make_lr_jump, "adam_module": make_adam_module,
+         "log_zero": make_log_zero, "lr_high": make_lr_high, "transient": make_transient,
+         "fp16_overflow": make_fp16_overflow}
+
+
+def batch_of(case: str, step: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of ``step``: 4 Gaussian clusters, with the case's plant at step :data:`AT`."""
+    y = torch.randint(0, CLASSES, (BATCH,), generator=g)
+    centers = torch.linspace(-2, 2, CLASSES).unsqueeze(1).repeat(1, FEATURES)
+    x = centers[y] + torch.randn(BATCH, FEATURES, generator=g)
+    if step == AT and case == "data":
+        x[list(BAD_SAMPLES)] *= -20.0
+    if step == AT and case == "log_zero":
+        x = x * 1e3
+    if step == AT and case == "fp16_overflow":
+        x = x * 300.0
+    if case == "fp16_overflow":
+        x = x.half()
+    return x, y
+
+
+def train(case: str, runs_dir: Any, steps: int = AT + 8, run_id: str | None = None, **agent: Any) -> Any:
+    """Train ``case`` with the agent attached (recipe named for the replay); returns the run dir."""
+    from sentineld.agent import attach  # noqa: PLC0415
+    from sentineld.contracts.recipe import train_step  # noqa: PLC0415
+
+    rec = CASES[case]()
+    cfg = {"metrics_port": 0, "snapshot_every": 4, "layer_every": 0, **agent}
+    watch = attach(rec.model, rec.optimizer, run_id=run_id or f"cf-{case}", runs_dir=runs_dir,
+                   recipe=f"tests.replay.spikecases:make_{case}", scheduler=rec.scheduler, **cfg)
+    g = torch.Generator().manual_seed(1)
+    try:
+        with watch:
+            for s in range(steps):
+                batch = batch_of(case, s, g)
+                CORRUPT_IN_TRAINING["on"] = case == "transient" and s == AT
+                watch.step(train_step(rec, batch), batch)
+    finally:
+        CORRUPT_IN_TRAINING["on"] = False
+    return watch.run_dir

@@ -85,17 +85,30 @@ def add_what_if(report: Report, cap_path: Path, make: Callable[[], Recipe], envi
     """Add ``what_if`` and ``reproducibility`` to a non-finite verdict of ``cap_path``."""
     with open_capture(cap_path) as cap, environment():
         engine = Engine(cap, make)
-        _extras(report, engine, report.step, cap_path, compiled, repeats, spike=False)
+        # a verdict that found every value finite followed the captured steps (auto mode):
+        # the fault the run recorded is at the step it asked about
+        start = report.step if report.phase != "none" else report.requested_step
+        _extras(report, engine, start, cap_path, compiled, repeats, spike=False,
+                wi_from=cap.snapshot_step if report.cause_class in GROWTH_CAUSES else None)
     report.elapsed_s = round(report.elapsed_s + report.evidence["what_if"]["total_s"]
                              + (report.reproducibility or {}).get("wall_s", 0.0), 4)
     return report
 
 
+#: Causes that grow over steps (the state at the offending step is already broken): their
+#: candidates run from the capture's snapshot, the earliest state it holds.
+GROWTH_CAUSES = ("lr_too_high", "grad_explosion", "grad_accumulated")
+
+
 def _extras(report: Report, engine: Engine, start: int, cap_path: Path, compiled: bool, repeats: int,
-            spike: bool) -> None:
+            spike: bool, wi_from: int | None = None) -> None:
     bar = report.evidence.get("spike_bar") if spike else None
-    grads = run_grad_norms(cap_path.parent, report.rank, engine, start)
-    rows, summary = what_if(engine, report, start, grads, spike_bar=bar if isinstance(bar, float) else None)
+    grads = run_grad_norms(cap_path.parent, report.rank, engine, start if wi_from is None else wi_from)
+    wi_start = start if wi_from is None else wi_from
+    if spike and report.cause_class == "state" and isinstance(report.evidence.get("earlier_state_step"), int):
+        wi_start = report.evidence["earlier_state_step"]  # fix the step that made the spiking state
+    rows, summary = what_if(engine, report, wi_start, grads, spike_bar=bar if isinstance(bar, float) else None,
+                            spike_step=start)
     report.what_if = rows
     report.evidence["what_if"] = summary
     if spike and isinstance(bar, float) and math.isfinite(bar):

@@ -41,8 +41,12 @@ EVIDENCE_NOT_PROOF = ("a candidate that stays finite for the checked steps is ev
 
 
 def p99(values: list[float]) -> float | None:
-    """The 99th percentile (nearest rank) of the finite ``values``, or None."""
+    """The 99th percentile (nearest rank) of the finite ``values`` at most 10x their median (a
+    diverging stretch before the fault is not the run's usual norm), or None."""
     v = sorted(x for x in values if math.isfinite(x))
+    if v:
+        med = v[len(v) // 2]
+        v = [x for x in v if x <= 10 * med] or v
     if not v:
         return None
     return v[min(len(v) - 1, max(0, math.ceil(0.99 * len(v)) - 1))]
@@ -60,7 +64,7 @@ def candidates(report: Report, engine: Engine, grad_norms: list[float] | None = 
     op = base_name(report.op) if report.op not in (None, "lr", "exp_avg_sq", "grad_norm") else None
     culprit_phase = report.phase in ("forward", "backward")
     module = report.module
-    where = f" in {module}" if module else ""
+    where = f" in {module}" if module else (" in the model" if module == "" else "")
     if op and culprit_phase and op in GUARDABLE:
         mode = "clamp" if op in ("acos", "asin", "atanh", "exp", "expm1") else "eps"
         out.append(Change(f"{mode} at {report.op}{where}", guard=OpGuard(op, module, mode)))
@@ -68,8 +72,8 @@ def candidates(report: Report, engine: Engine, grad_norms: list[float] | None = 
         out.append(Change(f"stable rewrite of {report.op}{where} (log1p/softplus/logsigmoid/log_softmax)",
                           guard=OpGuard(op, module, "rewrite")))
     rec = engine.recipe_info()
-    if module and (rec.autocast_dtype is not None or _half(engine)):
-        out.append(Change(f"{module} in float32, autocast off", fp32_module=module))
+    if module is not None and (rec.autocast_dtype is not None or _half(engine)):
+        out.append(Change(f"{module or 'the model'} in float32, autocast off", fp32_module=module))
     samples = list(report.samples or report.evidence.get("samples") or [])
     if samples:
         out.append(Change(f"samples {samples[:8]} dropped", drop_samples=tuple(int(s) for s in samples)))
@@ -113,12 +117,13 @@ def _row(o: Outcome, ref: dict[int, float], applied: int | None = None) -> dict[
 
 
 def what_if(engine: Engine, report: Report, start: int, grad_norms: list[float] | None = None,
-            spike_bar: float | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+            spike_bar: float | None = None, spike_step: int | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run every candidate from ``start`` over the captured steps after it.
 
     Args:
-        spike_bar: for a spike verdict, the loss above which step ``start`` still spikes: rows
-            then carry ``spike`` and rank a removed spike first.
+        spike_bar: for a spike verdict, the loss above which step ``spike_step`` (default
+            ``start``; a state verdict starts at the step that made the state) still spikes:
+            rows then carry ``spike`` and rank a removed spike first.
 
     Returns:
         ``(rows ranked, summary)``; the summary has ``baseline`` (the unchanged run's row),
@@ -133,7 +138,7 @@ def what_if(engine: Engine, report: Report, start: int, grad_norms: list[float] 
         o = engine.run(ch, start, follow)
         row = _row(o, ref, o.guard_applied)
         if spike_bar is not None and math.isfinite(spike_bar):
-            v = o.losses.get(start)
+            v = o.losses.get(start if spike_step is None else spike_step)
             row["spike"] = v is None or not math.isfinite(v) or v >= spike_bar
         rows.append(row)
 

@@ -14,14 +14,16 @@ Spikes (a finite loss jump):
 
 Non-finite faults (what-if / reproducibility):
 
-- ``log_zero``: ``log(sigmoid(z))`` in the head, whose sigmoid underflows to 0 for the batch of
-  step ``AT`` (inputs x1e3 there): -inf in forward (an eps / clamp / logsigmoid fix; software);
-- ``lr_high``: SGD at lr 40 from step ``AT`` (a schedule factor): the loss overflows within a few
-  steps (lr x0.1 or clipping keeps it finite);
+- ``log_zero``: ``log(sigmoid(z))`` in the model, whose sigmoid is exactly 0 for the batch of
+  step ``AT`` (inputs x1e5 there: 0 in float64 too): log(0) (an eps / clamp / logsigmoid fix;
+  software);
+- ``lr_high``: SGD at lr 10 from step ``AT`` (a schedule factor x100): the loss overflows within a
+  few steps (lr x0.1 or clipping keeps it finite);
 - ``transient``: a module that corrupts its output only in the training process, from a source
   outside the capture (a module-level flag the replay never sets): transient;
-- ``fp16_overflow``: float16 parameters and a layer whose activations pass 65504 at step ``AT``
-  (inputs x300 there), finite in float32: precision.
+- ``fp16_overflow``: float16 parameters and a hand-written softmax (``exp(z) / sum exp(z)``)
+  whose ``exp`` passes 65504 for the logits of step ``AT`` (inputs x20 there): inf / inf = NaN
+  in float16, finite in float32: precision.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ BAD_SAMPLES = (5, 17, 22)
 BATCH = 32
 FEATURES = 16
 CLASSES = 4
+
+#: lr factor of the ``lr_high`` case from step AT on.
+LR_HIGH = 100.0
 
 #: Set only by the training loop of the ``transient`` case (never in a replay process).
 CORRUPT_IN_TRAINING = {"on": False}
@@ -81,6 +86,14 @@ class Flaky(nn.Module):
         if CORRUPT_IN_TRAINING["on"]:
             h = h * float("inf")  # a bit flip in the training process's memory, say
         return self.head(torch.relu(h))
+
+
+class ExpSoftmaxNet(Net):
+    """Net whose output is log(exp(z) / sum(exp(z))): exp overflows float16 at z > 11."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = torch.exp(super().forward(x))
+        return torch.log(e / e.sum(-1, keepdim=True))
 
 
 class GlitchAdam(torch.optim.Adam):
@@ -140,7 +153,7 @@ def make_lr_high() -> Recipe:
     torch.manual_seed(0)
     m = Net()
     opt = torch.optim.SGD(m.parameters(), 0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 400.0 if s >= AT else 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: LR_HIGH if s >= AT else 1.0)
     return Recipe(model=m, optimizer=opt, loss_fn=ce, scheduler=sched)
 
 
@@ -152,8 +165,8 @@ def make_transient() -> Recipe:
 
 def make_fp16_overflow() -> Recipe:
     torch.manual_seed(0)
-    m = Net(hidden=64).half()
-    return Recipe(model=m, optimizer=torch.optim.SGD(m.parameters(), 0.01), loss_fn=ce)
+    m = ExpSoftmaxNet().half()
+    return Recipe(model=m, optimizer=torch.optim.SGD(m.parameters(), 0.01), loss_fn=nll)
 
 
 CASES = {"data": make_data, "lr_jump": make_lr_jump, "adam_module": make_adam_module,
@@ -169,15 +182,15 @@ def batch_of(case: str, step: int, g: torch.Generator) -> tuple[torch.Tensor, to
     if step == AT and case == "data":
         x[list(BAD_SAMPLES)] *= -20.0
     if step == AT and case == "log_zero":
-        x = x * 1e3
+        x = x * 1e5
     if step == AT and case == "fp16_overflow":
-        x = x * 300.0
+        x = x * 20.0
     if case == "fp16_overflow":
         x = x.half()
     return x, y
 
 
-def train(case: str, runs_dir: Any, steps: int = AT + 8, run_id: str | None = None, **agent: Any) -> Any:
+def train(case: str, runs_dir: Any, steps: int = AT + 12, run_id: str | None = None, **agent: Any) -> Any:
     """Train ``case`` with the agent attached (recipe named for the replay); returns the run dir."""
     from sentineld.agent import attach  # noqa: PLC0415
     from sentineld.contracts.recipe import train_step  # noqa: PLC0415

@@ -40,7 +40,8 @@ def run_grad_norms(run_dir: Path, rank: int, engine: Engine, before: int) -> lis
     vals: list[float] = []
     try:
         objs, _, _ = read_stream(stream_path(run_dir, rank))
-        vals = [float(o["grad_norm"]) for o in objs if o.get("kind") == "step" and isinstance(o.get("grad_norm"), (int, float))
+        vals = [float(o["grad_norm"]) for o in objs
+                if o.get("kind") == "step" and isinstance(o.get("grad_norm"), (int, float))
                 and isinstance(o.get("step"), int) and o["step"] < before]
     except (OSError, ValueError):
         vals = []

@@ -104,7 +104,12 @@ class Outcome:
 def batch_size(batch: Any) -> int | None:
     """The batch dimension: dim 0 of the batch's first tensor with at least one dimension."""
     found: list[int] = []
-    map_tensors(batch, lambda t: found.append(int(t.shape[0])) or t if t.dim() >= 1 else t)
+
+    def look(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() >= 1:
+            found.append(int(t.shape[0]))
+        return t
+    map_tensors(batch, look)
     return found[0] if found else None
 
 
@@ -264,7 +269,7 @@ def _apply_static(rec: Recipe, change: Change) -> None:
         for t in [*rec.model.parameters(), *rec.model.buffers()]:
             if t.is_floating_point():
                 t.data = t.data.to(dtype)
-        for p, st in rec.optimizer.state.items():
+        for st in rec.optimizer.state.values():
             for k, v in list(st.items()):
                 if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step":
                     st[k] = v.to(dtype)

@@ -10,6 +10,7 @@ single sample cannot go through the train-mode model at all (BatchNorm1d over on
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Any
 
@@ -60,11 +61,15 @@ def _vmap(rec: Recipe, batch: Any, n: int) -> tuple[list[float], list[float]]:
     return [float(v) for v in losses], [float(v) for v in torch.as_tensor(sq).sqrt()]
 
 
+def _row(t: torch.Tensor, i: int, n: int) -> torch.Tensor:
+    return t[i:i + 1] if t.dim() >= 1 and t.shape[0] == n else t
+
+
 def _loop(rec: Recipe, batch: Any, n: int) -> tuple[list[float], list[float]]:
     params = [p for p in rec.model.parameters() if p.requires_grad]
     losses, norms = [], []
     for i in range(n):
-        one = map_tensors(batch, lambda t: t[i:i + 1] if t.dim() >= 1 and t.shape[0] == n else t)
+        one = map_tensors(batch, functools.partial(_row, i=i, n=n))
         with _autocast(rec):
             loss = rec.loss_fn(rec.model, one)
         gs = torch.autograd.grad(loss, params, allow_unused=True)

@@ -104,7 +104,8 @@ def reproducibility(engine: Engine, start: int, *, faulty: Callable[[Outcome], b
         if f32_ok or out["float64_finite"]:
             which = "float32" if f32_ok else "float64"
             out.update({"class": "precision", "ruled_out": ruled_out,
-                        "why": f"the same steps in {which} do not fail: a range or rounding fault of the run's precision"})
+                        "why": f"the same steps in {which} do not fail: a range or rounding fault of the "
+                               "run's precision"})
         else:
             out.update({"class": "software", "ruled_out": ruled_out,
                         "why": "it reproduces from the captured state, in float64 too: the code or the configuration"})

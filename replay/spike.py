@@ -142,7 +142,8 @@ def _blame_state(engine: Engine, n: int, e: int, rec: Recipe) -> dict[str, Any]:
     out.update(lr=lr_e, previous_lr=lr_prev, normalized_step=step_now, previous_normalized_step=step_prev)
     if lr_e is not None and lr_prev and lr_e >= 2 * lr_prev:
         out["quantity"] = "lr"
-        out["why"] = f"the learning rate of step {e} was {lr_e:.3g}, {lr_e / lr_prev:.3g}x the step before's {lr_prev:.3g}"
+        out["why"] = (f"the learning rate of step {e} was {lr_e:.3g}, {lr_e / lr_prev:.3g}x the step "
+                      f"before's {lr_prev:.3g}")
         return out
     if adam and step_now is not None and step_now > ADAM_BOUND:
         out["quantity"] = "second_moment"
@@ -155,9 +156,11 @@ def _blame_state(engine: Engine, n: int, e: int, rec: Recipe) -> dict[str, Any]:
     gn, gp = g_now.get(module), g_prev.get(module)
     out.update(grad_norm=gn, previous_grad_norm=gp)
     out["quantity"] = "grad_norm"
-    out["why"] = (f"the gradient norm of {module or 'the model'} in step {e} was {gn:.3g}"
-                  + (f", {gn / gp:.3g}x the step before's" if gn is not None and gp else "")) if gn is not None \
-        else "the update of this module jumped"
+    if gn is None:
+        out["why"] = "the update of this module jumped"
+    else:
+        out["why"] = (f"the gradient norm of {module or 'the model'} in step {e} was {gn:.3g}"
+                      + (f", {gn / gp:.3g}x the step before's" if gp else ""))
     return out
 
 
@@ -183,14 +186,17 @@ def explain_spike(engine: Engine, n: int, report: Report) -> Report:
     e, j = _pick_earlier(engine, n, spiky), _pick_neighbour(engine, n, spiky)
     cells: dict[str, float | None] = {"this_state_this_batch": l_nn, "earlier_state_this_batch": None,
                                       "this_state_neighbour_batch": None, "earlier_state_neighbour_batch": None}
+
+    def cell(label: str, state: int | None, batch: int | None) -> float | None:
+        return engine.run(Change(label, state_before=state, batch_from=batch), n).losses.get(n)
     if e is not None:
-        cells["earlier_state_this_batch"] = engine.run(Change("this batch on the earlier state", state_before=e), n).losses.get(n)
+        cells["earlier_state_this_batch"] = cell("this batch on the earlier state", e, None)
     if j is not None:
-        cells["this_state_neighbour_batch"] = engine.run(Change("neighbour batch on this state", batch_from=j), n).losses.get(n)
+        cells["this_state_neighbour_batch"] = cell("neighbour batch on this state", None, j)
     if e is not None and j is not None:
-        cells["earlier_state_neighbour_batch"] = engine.run(
-            Change("neighbour batch on the earlier state", state_before=e, batch_from=j), n).losses.get(n)
-    ref_pool = earlier[-16:] + ([cells["earlier_state_neighbour_batch"]] if cells["earlier_state_neighbour_batch"] is not None else [])
+        cells["earlier_state_neighbour_batch"] = cell("neighbour batch on the earlier state", e, j)
+    base = cells["earlier_state_neighbour_batch"]
+    ref_pool = earlier[-16:] + ([base] if base is not None else [])
     ref = statistics.median(ref_pool) if ref_pool else math.nan
     bar = ref + SPIKE_SHARE * (l_nn - ref) if math.isfinite(ref) and math.isfinite(l_nn) else math.nan
 
@@ -210,7 +216,8 @@ def explain_spike(engine: Engine, n: int, report: Report) -> Report:
         report.cause = (f"the replayed loss {l_nn:.4g} of step {n} is not a spike over the reference "
                         f"{ref:.4g} (recorded {recorded})")
         report.fix = "a source the capture does not hold changed the step (see reproducibility with --what-if)"
-    elif batch_both and not (state_both and (cells["this_state_neighbour_batch"] or 0) > (cells["earlier_state_this_batch"] or 0)):
+    elif batch_both and not (state_both and (cells["this_state_neighbour_batch"] or 0)
+                             > (cells["earlier_state_this_batch"] or 0)):  # both: the larger one
         _data(report, engine, n, rec)
     elif state_both:
         _state(report, engine, n, e, rec)
@@ -221,8 +228,10 @@ def explain_spike(engine: Engine, n: int, report: Report) -> Report:
         report.fix = ("lower the lr or clip for this stretch, or skip the step (as OLMo-core's skip-step "
                       "optimizer does)")
     report.reproduced = engine.rebuilt.equal and recorded is not None and same_loss(l_nn, recorded)
-    report.max_loss_deviation = engine.rebuilt.max_deviation if recorded is None or same_loss(l_nn, recorded) \
-        else max(engine.rebuilt.max_deviation, abs(l_nn - recorded) if math.isfinite(l_nn) and math.isfinite(recorded) else math.inf)
+    dev = engine.rebuilt.max_deviation
+    if recorded is not None and not same_loss(l_nn, recorded):
+        dev = max(dev, abs(l_nn - recorded) if math.isfinite(l_nn) and math.isfinite(recorded) else math.inf)
+    report.max_loss_deviation = dev
     report.localize_s = round(time.perf_counter() - t0, 4)
     return report
 

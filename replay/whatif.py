@@ -81,7 +81,7 @@ def candidates(report: Report, engine: Engine, grad_norms: list[float] | None = 
     clip = p99(grad_norms or [])
     if clip is not None and clip > 0:
         out.append(Change(f"clip grad norm at {clip:.4g} (the run's p99)", clip_norm=clip))
-    eps = [g.get("eps") for g in rec.optimizer.param_groups if isinstance(g.get("eps"), float)]
+    eps = [float(g["eps"]) for g in rec.optimizer.param_groups if isinstance(g.get("eps"), float)]
     if eps:
         target = 1e-4 if _half(engine) else 1e-6
         if max(eps) < target:
@@ -117,7 +117,8 @@ def _row(o: Outcome, ref: dict[int, float], applied: int | None = None) -> dict[
 
 
 def what_if(engine: Engine, report: Report, start: int, grad_norms: list[float] | None = None,
-            spike_bar: float | None = None, spike_step: int | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+            spike_bar: float | None = None, spike_step: int | None = None
+            ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run every candidate from ``start`` over the captured steps after it.
 
     Args:

@@ -32,7 +32,8 @@ def spike_title(r: Mapping[str, Any]) -> str:
     elif cls == "state":
         q = ((r.get("evidence") or {}).get("state") or {}).get("quantity")
         detail = f" (module {r.get('module') or '-'}" + (f", {q})" if q else ")")
-    return f"[sentineld] replay of run {r.get('run_id', '?')}: loss spike at step {r.get('step', '?')}: cause {cls}{detail}"
+    run, step = r.get("run_id", "?"), r.get("step", "?")
+    return f"[sentineld] replay of run {run}: loss spike at step {step}: cause {cls}{detail}"
 
 
 def spike_lines(r: Mapping[str, Any]) -> list[str]:

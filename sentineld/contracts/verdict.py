@@ -46,7 +46,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["REPORT_SCHEMA_VERSION", "CAUSE_CLASSES", "VERDICT_KINDS", "REPRODUCIBILITY_CLASSES", "OUTSIDE_MODEL", "Report", "report_problems",
+__all__ = ["REPORT_SCHEMA_VERSION", "CAUSE_CLASSES", "VERDICT_KINDS", "REPRODUCIBILITY_CLASSES",
+           "OUTSIDE_MODEL", "Report", "report_problems",
            "render_text", "notification_text"]
 
 #: 2: ``where`` and ``cause_class`` added; ``module`` is null outside the model (was ``"loss"`` /

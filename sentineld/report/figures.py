@@ -44,8 +44,9 @@ def _svg(fig: plt.Figure, name: str) -> str:
 def _markers(ax: plt.Axes, markers: Sequence[Marker], labelled: set[str]) -> None:
     for m in markers:
         style = _STYLE.get(m.kind, _STYLE["alert"])
-        label = None if m.kind in labelled else {"capture": "capture (incident)", "alert": "alert",
-                                                 "verdict": "replay verdict", "spike": "loss spike (capture)"}.get(m.kind, m.kind)
+        label = None if m.kind in labelled else {
+            "capture": "capture (incident)", "alert": "alert", "verdict": "replay verdict",
+            "spike": "loss spike (capture)"}.get(m.kind, m.kind)
         labelled.add(m.kind)
         ax.axvline(m.step, label=label, **style)
 

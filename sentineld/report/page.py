@@ -139,7 +139,8 @@ def _verdict(r: ReportData, plots: list[str]) -> str:
     if v.get("kind") == "spike":
         head = spike_head(v)
     out.append(f'<p class="verdict">{escape(head)}</p>')
-    rows = [*(spike_rows(v) if v.get("kind") == "spike" else []),("reproduced", f"{v.get('reproduced')} (max loss deviation {_fmt(v.get('max_loss_deviation'))} "
+    rows = [*(spike_rows(v) if v.get("kind") == "spike" else []),
+            ("reproduced", f"{v.get('reproduced')} (max loss deviation {_fmt(v.get('max_loss_deviation'))} "
                            f"over {v.get('steps_rebuilt')} rebuilt steps)"),
             ("parameters", ", ".join(v.get("parameters") or []) or "-"),
             ("likely cause", v.get("cause", "")), ("fix", v.get("fix", ""))]

@@ -240,8 +240,7 @@ def _data(report: Report, engine: Engine, n: int, rec: Recipe) -> None:
     batch, _ = engine.load(n)
     ps = per_sample(rec, batch)
     named = responsible(ps)
-    report.cause_class, report.samples = "data", named
-    report.phase = "data"
+    report.cause_class, report.samples = "data", named  # phase stays "none": every value is finite
     losses = ps.get("losses") or []
     if losses:
         total = sum(v for v in losses if math.isfinite(v))

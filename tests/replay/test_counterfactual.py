@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -146,3 +147,50 @@ def test_cli_spike_json_and_what_if_table(tmp_path: Path) -> None:
     text = CliRunner().invoke(command, [str(run), "--what-if", "--trust"]).stdout
     assert "loss spike" in text.splitlines()[0] and "samples dropped" not in text.splitlines()[0]
     assert "what-if" in text and "evidence, not proof" in text
+
+
+@pytest.fixture(scope="module")
+def data_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One trained data-spike run shared by the delivery and report tests."""
+    here = os.getcwd()
+    os.chdir(REPO)
+    try:
+        return _run("data", tmp_path_factory.mktemp("spike"))
+    finally:
+        os.chdir(here)
+
+
+@pytest.mark.slow
+def test_daemon_replay_subprocess_delivers_the_spike_verdict(data_run: Path) -> None:
+    """The daemon's own path: the replay subprocess with the run's interpreter and working
+    directory, its JSON taken as a verdict, the notification text it sends."""
+    from sentineld.contracts.rundir import read_run_meta  # noqa: PLC0415
+    from sentineld.contracts.verdict import notification_text  # noqa: PLC0415
+    from sentineld.daemon.replay_runner import run_replay_subprocess  # noqa: PLC0415
+
+    cap = _captures(data_run, "spike")[0]
+    out = run_replay_subprocess(read_run_meta(data_run), data_run, cap, timeout_s=120, memory_bytes=0,
+                                what_if=True)
+    assert out.result == "localized", out.reason
+    assert out.report is not None and out.report["kind"] == "spike" and out.report["what_if"]
+    title, body = notification_text(out.report)
+    assert "loss spike at step" in title and "cause data" in title
+    assert "samples:" in body and "evidence, not proof" in body
+    print(f"daemon spike replay with what-if (subprocess): {out.elapsed_s:.2f} s")
+
+
+def test_report_marks_the_spike_samples_and_candidates(data_run: Path, tmp_path: Path) -> None:
+    from sentineld.report.build import write_report  # noqa: PLC0415
+
+    here = os.getcwd()
+    os.chdir(REPO)
+    try:
+        v = replay_run(data_run, what_if=True)
+    finally:
+        os.chdir(here)
+    vpath = tmp_path / "verdict.json"
+    vpath.write_text(v.to_json())
+    html = write_report(data_run, tmp_path / "r.html", verdict_path=vpath, activations=False).read_text()
+    assert f"step {v.step}: loss spike, cause data, samples [" in html
+    assert "What-if candidates" in html and "evidence, not proof" in html
+    assert "spike gone" in html  # the dropped-samples row

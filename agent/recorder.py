@@ -77,7 +77,10 @@ class StepRecorder:
         self.peers = peers  # DDP: other ranks' incidents (agent/peers.py), None in one process
         self.ring = Ring(config.window, config.ring_bytes)
         self.schedule = SnapshotSchedule(config)
-        self.incidents = IncidentPolicy(config.rearm_steps, config.post_steps, config.spike_captures)
+        # A spike capture is replayed from its own rank alone, which is not the step a
+        # data-parallel run took (its gradients were all-reduced): no spike captures there yet.
+        self.incidents = IncidentPolicy(config.rearm_steps, config.post_steps,
+                                        config.spike_captures if peers is None else 0)
         self.readback = Readback()
         self.copies = HostCopies()
         if live is not None:

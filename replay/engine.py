@@ -173,6 +173,10 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
         report = replay_ddp(ranks, _factory(meta, spec, trust, named_by), step, env, t0=t0)
         report.run_id = meta.run_id
         return report
+    if meta.world_size > 1 and _is_spike(cap_path):
+        raise ReplayError(f"{cap_path.name}: a loss-spike verdict of a {meta.world_size}-rank run is not "
+                          "replayed yet (each rank's step used all ranks' gradients); replay a "
+                          "single-process run's spike, or the non-finite captures of this run")
     if not missing and (what_if or _is_spike(cap_path)):
         from .cf_replay import add_what_if, run_compiled, spike_replay  # noqa: PLC0415
 

@@ -217,9 +217,10 @@ class SpikeTracker:
     """The agent's per-step ``loss_spike`` test (same rule as :func:`detect_loss_spike`).
 
     Keeps the last ``window`` finite losses and grad norms; the baselines are recomputed every
-    ``refresh_steps`` observed steps (two baselines of at most 128 floats, 20-70 us each on this
-    project's shared 2-core box), so a step costs a few float comparisons and a deque append plus
-    that amortized: 4-10 us per step measured (``tests/signatures/test_spike.py``, run with ``-s``).
+    ``refresh_steps`` observed steps (two baselines of at most 128 floats, ~12.6 us each on this
+    project's 2-core box when idle), so a step costs a few float comparisons and a deque append
+    plus that amortized: 2 us per step measured idle, 9-12 us under load 7-11
+    (``tests/signatures/test_spike.py``, run with ``-s``).
     The baseline then lags by up to ``refresh_steps`` steps, which only makes it more conservative
     in a falling loss. After a spike no other fires until ``hold_steps``
     steps passed without one (one capture per spike, not one per step of it).

@@ -209,3 +209,38 @@ def train(case: str, runs_dir: Any, steps: int = AT + 12, run_id: str | None = N
     finally:
         CORRUPT_IN_TRAINING["on"] = False
     return watch.run_dir
+
+
+def figures() -> None:
+    """Print replay / what-if / reproducibility times per planted case (docs/whatif.md).
+
+    ``python -m tests.replay.spikecases`` from the repository root.
+    """
+    import json  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+    import time  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from sentineld.contracts.rundir import list_captures  # noqa: PLC0415
+    from sentineld.replay.engine import replay_run  # noqa: PLC0415
+
+    global LR_HIGH
+    LR_HIGH = 60.0
+    plans = {"lr_high": {"steps": AT + 30, "snapshot_every": 16, "spike_captures": 0}}
+    for case in CASES:
+        run = train(case, Path(tempfile.mkdtemp()), **plans.get(case, {}))
+        cap = list_captures(run)[0][3]
+        t = time.perf_counter()
+        replay_run(run, capture=cap)
+        t0 = time.perf_counter() - t
+        t = time.perf_counter()
+        r = json.loads(replay_run(run, capture=cap, what_if=True).to_json())
+        t1 = time.perf_counter() - t
+        wi = r["evidence"]["what_if"]
+        print(f"{case:14s} replay {t0:.3f} s, with what-if {t1:.3f} s, {len(r['what_if'])} candidates "
+              f"{wi['per_candidate_s']:.4f} s each, {wi['total_s']:.3f} s total, reproducibility "
+              f"{r['reproducibility']['wall_s']:.3f} s ({r['reproducibility']['class']}), cause {r['cause_class']}")
+
+
+if __name__ == "__main__":
+    figures()

@@ -119,6 +119,13 @@ def test_corruption_from_outside_the_capture_is_transient(tmp_path: Path) -> Non
     rep = v["reproducibility"]
     assert v["reproduced"] is False and rep["class"] == "transient"
     assert "the batch (recorded)" in rep["ruled_out"]
+    # the same fault in a compiled run (run.json `compiled`, helper fsdp's field): only the
+    # compiled run fails, the eager replay does not: compiler
+    meta = json.loads((run / "run.json").read_text())
+    meta["extra"] = {**meta.get("extra", {}), "compiled": True}
+    (run / "run.json").write_text(json.dumps(meta))
+    v = _verdict(run, _captures(run, "nonfinite")[0], what_if=True)
+    assert v["reproducibility"]["class"] == "compiler" and v["reproducibility"]["compiled"] is True
 
 
 @pytest.mark.usefixtures("at_repo")

@@ -12,6 +12,11 @@ Spikes (a finite loss jump):
   m / sqrt(v) of body jumps ~1000x (Molybog et al.'s instability: a second moment ~0 against the
   first); cause state, module body, quantity second moment.
 
+- ``interaction``: feature 0 is 0 in every batch but step ``AT``'s, and an SGD whose step
+  ``AT - 1`` scales body's weights of feature 0 x100 (they had no gradient to say otherwise):
+  batch AT spikes on the state before AT only; the state before AT is fine on other batches, and
+  batch AT on the state before AT-1: cause interaction.
+
 Non-finite faults (what-if / reproducibility):
 
 - ``log_zero``: ``log(sigmoid(z))`` in the model, whose sigmoid is exactly 0 for the batch of
@@ -112,6 +117,20 @@ class GlitchAdam(torch.optim.Adam):
         return super().step(closure)
 
 
+class ColumnGlitchSGD(torch.optim.SGD):
+    """SGD whose optimizer step AT-1 (0-based) scales column 0 of its glitch group's first
+    parameter x100 (the step count lives in the param group, so it is in the snapshot)."""
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        out = super().step(closure)
+        for g in self.param_groups:
+            g["n"] = int(g.get("n", 0)) + 1
+            if g.get("glitch") and g["n"] == AT:
+                with torch.no_grad():
+                    g["params"][0][:, 0] *= 100.0
+        return out
+
+
 def ce(model: nn.Module, batch: Any) -> torch.Tensor:
     x, y = batch
     return F.cross_entropy(model(x), y)
@@ -143,6 +162,14 @@ def make_adam_module() -> Recipe:
     return Recipe(model=m, optimizer=opt, loss_fn=ce)
 
 
+def make_interaction() -> Recipe:
+    torch.manual_seed(0)
+    m = Net()
+    opt = ColumnGlitchSGD([{"params": [m.body.weight], "glitch": True},
+                           {"params": [m.body.bias, *m.head.parameters()]}], lr=0.05)
+    return Recipe(model=m, optimizer=opt, loss_fn=ce)
+
+
 def make_log_zero() -> Recipe:
     torch.manual_seed(0)
     m = LogSigmoidHead()
@@ -170,6 +197,7 @@ def make_fp16_overflow() -> Recipe:
 
 
 CASES = {"data": make_data, "lr_jump": make_lr_jump, "adam_module": make_adam_module,
+         "interaction": make_interaction,
          "log_zero": make_log_zero, "lr_high": make_lr_high, "transient": make_transient,
          "fp16_overflow": make_fp16_overflow}
 
@@ -179,6 +207,8 @@ def batch_of(case: str, step: int, g: torch.Generator) -> tuple[torch.Tensor, to
     y = torch.randint(0, CLASSES, (BATCH,), generator=g)
     centers = torch.linspace(-2, 2, CLASSES).unsqueeze(1).repeat(1, FEATURES)
     x = centers[y] + torch.randn(BATCH, FEATURES, generator=g)
+    if case == "interaction":
+        x[:, 0] = 2.0 if step == AT else 0.0
     if step == AT and case == "data":
         x[list(BAD_SAMPLES)] *= -20.0
     if step == AT and case == "log_zero":

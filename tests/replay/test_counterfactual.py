@@ -83,6 +83,15 @@ def test_spike_from_adam_second_moment_in_one_module_names_it(tmp_path: Path) ->
 
 
 @pytest.mark.usefixtures("at_repo")
+def test_spike_of_one_batch_on_one_state_is_interaction(tmp_path: Path) -> None:
+    run = _run("interaction", tmp_path)
+    v = _verdict(run, _captures(run, "spike")[0])
+    assert v["cause_class"] == "interaction" and 0 <= v["step"] - AT <= 3
+    c = v["evidence"]["losses"]
+    assert c["this_state_this_batch"] > 3 * max(c["earlier_state_this_batch"], c["this_state_neighbour_batch"])
+
+
+@pytest.mark.usefixtures("at_repo")
 def test_what_if_log_zero_eps_fixes_it_and_class_is_software(tmp_path: Path) -> None:
     run = _run("log_zero", tmp_path)
     v = _verdict(run, _captures(run, "nonfinite")[0], what_if=True)

@@ -87,11 +87,9 @@ class Readback:
             p = self._pending.popleft()
             loss, gnorm, lr_t, scale, batch_sum = (None if v is None else float(v) for v in p.values)
             fields = dict(p.fields)
-            clip_max = fields.pop("_clip_max", None)
-            if clip_max is not None and gnorm is not None:
-                # torch's clip_grad_norm_ scales by max / (norm + 1e-6) when that is below 1 (a
-                # non-finite norm scales too: by nan or 0).
-                fields["clipped"] = not gnorm + 1e-6 <= clip_max
+            clip = fields.pop("clip_grad_norm", None)
+            # clip_grad_norm_ rescales unless total <= max_norm (a nan/inf total too)
+            fields["clipped"] = None if clip is None or gnorm is None else not gnorm <= clip
             if lr_t is not None:
                 fields["lr"] = lr_t
             if batch_sum is not None:

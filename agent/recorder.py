@@ -6,7 +6,8 @@ Order within one step (plain loop):
 1. :meth:`StepRecorder.begin` at the first training forward: the localizer's forward-argument
    copy, a due snapshot, the RNG states (:class:`~.rngread.RngReader`).
 2. :meth:`StepRecorder.grads_ready` at the optimizer step pre-hook: the fused global grad norm,
-   on device.
+   on device; when the loop clips (``clip_grad_norm=``), the norm :meth:`StepRecorder.backward_done`
+   took at the end of backward, before the clipping, and the record says whether it clipped.
 3. :meth:`StepRecorder.record` at ``watch.step``: the batch copied to host once
    (:class:`~.ring.HostCopies`), the ring entry, the device values queued for readback; then
    records whose values landed are resolved (stream line, exporter, incident policy) and a due
@@ -27,7 +28,7 @@ import torch
 from sentineld.contracts.records import record_to_json
 from sentineld.contracts.snapshot import state_of
 from sentineld.contracts.stream import StreamWriter
-from sentineld.contracts.triggers import NONFINITE
+from sentineld.contracts.triggers import NONFINITE, SPIKE
 
 from .agent_config import AgentConfig
 from .capturer import CaptureWriter
@@ -65,7 +66,8 @@ class StepRecorder:
                  scaler: Any, *, config: AgentConfig, stream: StreamWriter, latest: Latest,
                  writer: CaptureWriter, disk: DiskRingWriter | None, live: LiveLocalizer | None,
                  probes: Any, rank: int, device: torch.device, clock: Callable[[], float],
-                 wall_clock: Callable[[], float], peers: PeerIncidents | None = None) -> None:
+                 wall_clock: Callable[[], float], peers: PeerIncidents | None = None,
+                 clip_grad_norm: float | None = None) -> None:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self._lazy_done = False
         self._last_loss: weakref.ref[torch.Tensor] | None = None
@@ -77,7 +79,10 @@ class StepRecorder:
         self.peers = peers  # DDP: other ranks' incidents (agent/peers.py), None in one process
         self.ring = Ring(config.window, config.ring_bytes)
         self.schedule = SnapshotSchedule(config)
-        self.incidents = IncidentPolicy(config.rearm_steps, config.post_steps)
+        # A spike capture is replayed from its own rank alone, which is not the step a
+        # data-parallel run took (its gradients were all-reduced): no spike captures there yet.
+        self.incidents = IncidentPolicy(config.rearm_steps, config.post_steps,
+                                        config.spike_captures if peers is None else 0)
         self.readback = Readback()
         self.copies = HostCopies()
         if live is not None:
@@ -91,6 +96,8 @@ class StepRecorder:
         self.probe_checked = False
         self._gnorm: torch.Tensor | None = None
         self._pre_hook_ran = False
+        self.clip_grad_norm = clip_grad_norm
+        self._bw_norm: torch.Tensor | None = None  # pre-clip norm at the end of backward
         self._clip_max: float | None = None  # set: this step's norm is kept (taken before clipping)
 
     # ------------------------------------------------------------- hook side
@@ -112,15 +119,31 @@ class StepRecorder:
         if self.probes is not None:
             self.probes.begin_step(self.n)
 
+    def backward_done(self) -> None:
+        """A backward finished (the loop clips, ``clip_grad_norm=``): take the global grad norm
+        now, before the loop clips it; unscaled by the GradScaler's scale on device (no sync).
+        With accumulation the last micro-batch's backward gives the step's norm."""
+        g = grad_norm(self.optimizer)
+        scaler = self.scaler
+        if g is not None and scaler is not None and getattr(scaler, "is_enabled", lambda: False)():
+            scale = getattr(scaler, "_scale", None)
+            if isinstance(scale, torch.Tensor):
+                g = g / scale.to(g.device, non_blocking=True).float().reshape(())
+        self._bw_norm = g
+
     def grads_ready(self, norm: torch.Tensor | None = None, clip_max: float | None = None) -> None:
-        """The gradients are complete: take the global grad norm (on device, no sync).
+        """The gradients are complete: take the global grad norm (on device, no sync), or use
+        the pre-clip one of :meth:`backward_done`.
 
         ``norm``: the framework's own value (the HF Trainer's clip returns it); ``clip_max``:
         the framework clips to this norm next, so this value is kept for the step (a later
         call, e.g. the optimizer's pre-hook, would see the clipped gradients)."""
         if self._clip_max is not None:
             return
-        self._gnorm = grad_norm(self.optimizer) if norm is None else norm.detach().float().reshape(())
+        if norm is not None:
+            self._gnorm = norm.detach().float().reshape(())
+        else:
+            self._gnorm = self._bw_norm if self._bw_norm is not None else grad_norm(self.optimizer)
         self._pre_hook_ran = True
         self._clip_max = clip_max
 
@@ -134,10 +157,11 @@ class StepRecorder:
         step_s, self._t_last = now - self._t_last, now
         self.schedule.step_time(step_s)
         skipped = not self._pre_hook_ran
-        gnorm = self._gnorm if self._pre_hook_ran else grad_norm(self.optimizer)
+        gnorm = self._gnorm if self._pre_hook_ran else (
+            self._bw_norm if self._bw_norm is not None else grad_norm(self.optimizer))
         forward_seen = self.step_started
         clip_max, self._clip_max = self._clip_max, None
-        self._gnorm, self._pre_hook_ran, self.step_started = None, False, False
+        self._gnorm, self._pre_hook_ran, self.step_started, self._bw_norm = None, False, False, None
         loss_t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         groups = self.optimizer.param_groups
         lr = groups[0].get("lr") if groups else None
@@ -159,9 +183,8 @@ class StepRecorder:
         fields = {"step": n, "step_s": step_s, "time_s": self.wall(), "optimizer_skipped": skipped,
                   "layers": layers or None, "param_nonfinite": params_nonfinite(layers),
                   "rank": self.rank, "grads_carried": self.grads_carried,
-                  "lr": float(lr) if lr is not None and not isinstance(lr, torch.Tensor) else None}
-        if clip_max is not None:
-            fields["_clip_max"] = clip_max  # -> ``clipped`` once the norm is read back
+                  "lr": float(lr) if lr is not None and not isinstance(lr, torch.Tensor) else None,
+                  "clip_grad_norm": clip_max if clip_max is not None else self.clip_grad_norm}
         event = self.readback.push(n, values, fields, entry)
         self.n += 1
         self._after(entry, event, forward_seen)
@@ -229,7 +252,7 @@ class StepRecorder:
             bad, opened = self.incidents.observe(record)
             lt.nonfinite_total += int(bad)
             self.stream.put(obj, urgent=bad)
-            if opened is not None and self.peers is not None:
+            if opened is not None and opened.trigger == NONFINITE and self.peers is not None:
                 self.peers.publish(opened.step)  # other ranks capture this step too
 
     # ------------------------------------------------------------- snapshots
@@ -288,6 +311,10 @@ class StepRecorder:
         # broke the parameters (seen only in N's loss) it is already corrupt, so prefer the one before.
         ring = self.ring
         span = (ring.span(end, before=step - 1) if step > 0 else None) or ring.span(end, before=step)
+        if trigger == SPIKE and step > 1:
+            # The spike replay compares the update that made the spiking state with the one
+            # before it: a snapshot two steps back when the ring holds one.
+            span = ring.span(end, before=step - 2) or span
         if span is None:
             log.warning("sentineld: step %d is not in the ring buffer (window %d); no capture",
                         step, self.config.window)

@@ -68,6 +68,50 @@ def tree_bytes(tree: Any) -> int:
     return total
 
 
+#: errnos of a file system that cannot reserve space (then the in-memory image is used).
+_NO_RESERVE = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+
+
+def _fill_reserved(tmp: Path, fill: Any, need: int) -> bool:
+    """Let HDF5 write ``tmp`` itself, into ``need`` bytes reserved on disk before any data.
+
+    ``posix_fallocate`` of the open file's descriptor either reserves the whole estimate (the
+    writes that follow cannot meet a full disk, so the HDF5 state never breaks: the h5py crash
+    :data:`IN_MEMORY_MAX_BYTES` guards against needs ENOSPC *during* a write) or fails at once
+    with a clean ``OSError`` (ENOSPC; EFBIG under ``RLIMIT_FSIZE``) before anything is written.
+    No in-memory image: one copy of the data (to the page cache), as ``torch.save``; the
+    reserved tail past HDF5's end of allocation is cut off before close.
+
+    Returns:
+        True when written; False (nothing left at ``tmp``) when the file system cannot reserve
+        space: the caller writes another way.
+
+    Raises:
+        OSError: the reservation failed (full disk, file size limit) or the write failed.
+    """
+    import h5py  # noqa: PLC0415
+
+    with h5py.File(tmp, "w") as f:
+        fd = f.id.get_vfd_handle()
+        try:
+            os.posix_fallocate(fd, 0, need)
+        except OSError as exc:
+            if exc.errno not in _NO_RESERVE:
+                raise
+            reserve_failed = True
+        else:
+            reserve_failed = False
+            fill(f)
+            f.flush()
+            # the reserved tail past HDF5's end of allocation: HDF5 leaves it (its driver never
+            # wrote there), so it is cut here, with everything HDF5 wrote flushed below it
+            os.ftruncate(fd, f.id.get_filesize())
+    if reserve_failed:
+        tmp.unlink(missing_ok=True)
+        return False
+    return True
+
+
 def write_h5_atomic(path: Path, fill: Any, estimate_bytes: int, *, durable: bool, what: str) -> int:
     """Write an HDF5 file via ``fill(h5file)`` to ``<path>.tmp``, then rename it to ``path`` (0600).
 
@@ -97,7 +141,12 @@ def write_h5_atomic(path: Path, fill: Any, estimate_bytes: int, *, durable: bool
         raise OSError(errno.ENOSPC, f"no space left on device in {path.parent} ({free} bytes free, "
                                     f"about {need} needed for this {what})")
     try:
-        if estimate_bytes <= IN_MEMORY_MAX_BYTES:
+        reserved = _fill_reserved(tmp, fill, need)
+        if reserved:
+            if durable:
+                fsync_path(tmp)
+            size = tmp.stat().st_size
+        elif estimate_bytes <= IN_MEMORY_MAX_BYTES:
             name = f"sentineld-mem-{os.getpid()}-{next(_mem_files)}.h5"  # never touches the disk
             # One allocation of about the final size (the core driver grows by 64 KiB otherwise).
             block = max(1 << 20, min(need, IN_MEMORY_MAX_BYTES + (1 << 20)))

@@ -213,7 +213,12 @@ _QUIET_NAMES = (
     "ReplicationPad3d CircularPad1d CircularPad2d CircularPad3d Upsample UpsamplingNearest2d "
     "UpsamplingBilinear2d PixelShuffle PixelUnshuffle ChannelShuffle Softmax LogSoftmax Softmax2d "
     "Softmin LeakyReLU PReLU RReLU Softplus Softsign Threshold GLU MultiheadAttention Sequential "
-    "ModuleList ModuleDict ParameterList ParameterDict").split()
+    "ModuleList ModuleDict ParameterList ParameterDict TransformerEncoder TransformerDecoder "
+    "Transformer TransformerEncoderLayer TransformerDecoderLayer").split()
+#: torch.nn layers whose feed-forward block calls a function activation on ``linear1``'s output
+#: (``linear2(dropout(activation(linear1(x))))``): quiet, and measured on that output instead
+#: (the activation's input, attributed to the layer as the mode attributed the call).
+_FF_LAYERS = ("TransformerEncoderLayer", "TransformerDecoderLayer")
 _QUIET: frozenset[type] = frozenset(t for t in (getattr(nn, n, None) for n in _QUIET_NAMES)
                                     if isinstance(t, type))
 
@@ -293,6 +298,16 @@ class ActivationProbe:
         self._root = model
         self._names = {id(m): n for n, m in model.named_modules()}
         self._kinds = {id(m): module_kind(m) for _, m in model.named_modules()}
+        self._ff: dict[int, tuple[nn.Module, Rule]] = {}   # id(linear1) -> (its layer, the rule)
+        for _, m in model.named_modules():
+            if type(m) in {getattr(nn, n, None) for n in _FF_LAYERS} and \
+                    isinstance(getattr(m, "linear1", None), nn.Module):
+                act = getattr(m, "activation", None)
+                rule = rule_for(act, (None,), {})
+                if rule is not None:
+                    self._ff[id(m.linear1)] = (m, rule)
+                elif not isinstance(act, nn.Module):      # (a module activation is measured as one)
+                    self._kinds[id(m)] = OPEN               # some other callable: the mode looks
         self._hooks: list[Any] = []
         self._mode: _Mode | None = None
         self._thread = 0
@@ -368,6 +383,10 @@ class ActivationProbe:
                 or threading.get_ident() != self._thread:
             return
         frame = self._frames.pop()
+        ff = self._ff.get(id(module)) if self._ff else None
+        if ff is not None and self._frames and self._frames[-1].module is ff[0]:
+            rule = ff[1]
+            self.after(rule, self.before(rule, out) if rule.on_input else out, out, self._frames[-1])
         if frame.rule is not None:
             # named after the activation module itself, as the mode named the F.relu call in
             # nn.ReLU.forward (its innermost module)

@@ -105,6 +105,8 @@ def test_huge_but_finite_parameters_are_not_called_non_finite(tmp_path):
         opt.zero_grad()
         watch.step(m(torch.ones(3, 4)).sum().detach(), batch=torch.ones(3, 4))  # a sampled forward
     recs = _records(watch.run_dir)
-    assert [r.param_nonfinite for r in recs[:4]] == [False, False, False, False]
+    # step 3 measures activations only (agent/probes.py full_at): no norms, no flag; the norms
+    # are fast float32 ones, re-taken in float64 when one reads inf (step 2's 1e20 weights)
+    assert [r.param_nonfinite for r in recs[:4]] == [False, False, False, None]
     assert math.isfinite(recs[2].layers["0"].param_norm) and recs[2].layers["0"].param_norm > 1e21
     assert recs[4].param_nonfinite is True

@@ -108,15 +108,16 @@ def full_at(step: int, every: int, dense: int = DENSE_STEPS, first: int = 0) -> 
         step, every, dense, first: as for :func:`sampled_at`.
 
     Returns:
-        With ``r = step - first``: in the dense head (r < ``dense``) only r = 0, 1, 2, 4, 8 ...
-        (the head's other steps are activation-only: an early death is seen at once, the norms
-        of the first steps at a doubling gap); from there on every sampled step. So of the 73
+        With ``r = step - first``: in the dense head (r < ``dense``) only r = 0, 1, 2, 4, 8 and
+        the steps of the steady cadence (``step % every == 0``; all of them for ``every`` = 1);
+        the head's other steps are activation-only (an early death is seen at once, the norms of
+        the first steps at a doubling gap); from there on every sampled step. So of the 73
         sampled steps among a run's first 200 (``every`` = 50), 62 are full, and each full one
         costs four fused float32 norm passes and one parameter copy (:func:`_norms`).
     """
     r = step - first
     if 0 <= r < dense:
-        return r & (r - 1) == 0
+        return r & (r - 1) == 0 or step % every == 0
     return sampled_at(step, every, dense, first)
 
 

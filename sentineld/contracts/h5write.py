@@ -4,6 +4,7 @@ captures assembled from an on-disk ring (:mod:`sentineld.daemon.ring_recovery`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import os
@@ -11,18 +12,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from sentineld.contracts.safeio import SafeDir
 from sentineld.contracts.treecodec import map_tensors
 
-__all__ = ["IN_MEMORY_MAX_BYTES", "fsync_path", "disk_full_error", "tree_bytes", "write_h5_atomic"]
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or directory by path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+__all__ = ["IN_MEMORY_MAX_BYTES", "disk_full_error", "tree_bytes", "write_h5_atomic"]
 
 
 def disk_full_error(exc: BaseException, where: Path) -> OSError | None:
@@ -49,7 +42,8 @@ def disk_full_error(exc: BaseException, where: Path) -> OSError | None:
 #: (a 96 MiB capture took 1.13 s that way against 0.50 s direct, torch.save 0.30 s;
 #: bench/capture_write.py), but a capture below this size never meets the h5py crash when the disk
 #: fills during the write, and the agent must never crash the training it watches: reliability
-#: first here, speed (issue 13's "no slower than torch.save") from 256 MiB on.
+#: first here, speed (issue 13's "no slower than torch.save") from 256 MiB on. Used only where
+#: the file system cannot reserve the file's space up front (:func:`_reserve`, the normal path).
 IN_MEMORY_MAX_BYTES = 256 << 20
 
 _mem_files = itertools.count()
@@ -72,48 +66,35 @@ def tree_bytes(tree: Any) -> int:
 _NO_RESERVE = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
 
 
-def _fill_reserved(tmp: Path, fill: Any, need: int) -> bool:
-    """Let HDF5 write ``tmp`` itself, into ``need`` bytes reserved on disk before any data.
+def _reserve(out: Any, need: int) -> bool:
+    """Reserve ``need`` bytes for the open temp file ``out`` before any data is written.
 
-    ``posix_fallocate`` of the open file's descriptor either reserves the whole estimate (the
-    writes that follow cannot meet a full disk, so the HDF5 state never breaks: the h5py crash
-    :data:`IN_MEMORY_MAX_BYTES` guards against needs ENOSPC *during* a write) or fails at once
-    with a clean ``OSError`` (ENOSPC; EFBIG under ``RLIMIT_FSIZE``) before anything is written.
-    No in-memory image: one copy of the data (to the page cache), as ``torch.save``; the
-    reserved tail past HDF5's end of allocation is cut off before close.
+    ``posix_fallocate`` either reserves the whole estimate (the HDF5 writes that follow cannot
+    meet a full disk, so its state never breaks: the h5py crash :data:`IN_MEMORY_MAX_BYTES`
+    guards against needs ENOSPC *during* a write) or fails at once with a clean ``OSError``
+    (ENOSPC; EFBIG under ``RLIMIT_FSIZE``) before anything is written (issue 23: the in-memory
+    image's two extra copies made a 96 MiB capture 2x torch.save + fsync).
 
     Returns:
-        True when written; False (nothing left at ``tmp``) when the file system cannot reserve
-        space: the caller writes another way.
+        True when reserved; False when the file system cannot reserve space (the caller then
+        writes another way).
 
     Raises:
-        OSError: the reservation failed (full disk, file size limit) or the write failed.
+        OSError: the disk has no room (or the file size limit is below ``need``).
     """
-    import h5py  # noqa: PLC0415
-
-    with h5py.File(tmp, "w") as f:
-        fd = f.id.get_vfd_handle()
-        try:
-            os.posix_fallocate(fd, 0, need)
-        except OSError as exc:
-            if exc.errno not in _NO_RESERVE:
-                raise
-            reserve_failed = True
-        else:
-            reserve_failed = False
-            fill(f)
-            f.flush()
-            # the reserved tail past HDF5's end of allocation: HDF5 leaves it (its driver never
-            # wrote there), so it is cut here, with everything HDF5 wrote flushed below it
-            os.ftruncate(fd, f.id.get_filesize())
-    if reserve_failed:
-        tmp.unlink(missing_ok=True)
-        return False
+    try:
+        os.posix_fallocate(out.fileno(), 0, need)
+    except OSError as exc:
+        if exc.errno in _NO_RESERVE:
+            return False
+        raise
     return True
 
 
-def write_h5_atomic(path: Path, fill: Any, estimate_bytes: int, *, durable: bool, what: str) -> int:
-    """Write an HDF5 file via ``fill(h5file)`` to ``<path>.tmp``, then rename it to ``path`` (0600).
+def write_h5_atomic(path: Path, fill: Any, estimate_bytes: int, *, durable: bool, what: str,
+                    at: SafeDir | None = None) -> int:
+    """Write an HDF5 file via ``fill(h5file)`` to a fresh temp file, then rename it to ``path`` (0600),
+    through :meth:`sentineld.contracts.safeio.SafeDir.create`.
 
     Args:
         estimate_bytes: about how big the file will be (tensor bytes); decides in-memory
@@ -121,6 +102,8 @@ def write_h5_atomic(path: Path, fill: Any, estimate_bytes: int, *, durable: bool
         durable: fsync the file and its directory (a capture); without, the file still survives
             the death of the process (page cache), only not a power loss.
         what: what it is, for error messages.
+        at: ``path``'s directory already opened and checked (ring recovery writing into a run dir
+            another user owns: the path could be re-pointed after the check); None opens it.
 
     Returns:
         The file's size in bytes.
@@ -131,7 +114,6 @@ def write_h5_atomic(path: Path, fill: Any, estimate_bytes: int, *, durable: bool
     """
     import h5py  # noqa: PLC0415
 
-    tmp = path.with_name(path.name + ".tmp")
     need = int(estimate_bytes * 1.05) + (1 << 20)
     try:
         free = shutil.disk_usage(path.parent).free
@@ -141,41 +123,41 @@ def write_h5_atomic(path: Path, fill: Any, estimate_bytes: int, *, durable: bool
         raise OSError(errno.ENOSPC, f"no space left on device in {path.parent} ({free} bytes free, "
                                     f"about {need} needed for this {what})")
     try:
-        reserved = _fill_reserved(tmp, fill, need)
-        if reserved:
-            if durable:
-                fsync_path(tmp)
-            size = tmp.stat().st_size
-        elif estimate_bytes <= IN_MEMORY_MAX_BYTES:
-            name = f"sentineld-mem-{os.getpid()}-{next(_mem_files)}.h5"  # never touches the disk
-            # One allocation of about the final size (the core driver grows by 64 KiB otherwise).
-            block = max(1 << 20, min(need, IN_MEMORY_MAX_BYTES + (1 << 20)))
-            with h5py.File(name, "w", driver="core", backing_store=False, block_size=block) as f:
-                fill(f)
-                f.flush()
-                image = f.id.get_file_image()
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
+        # Through the one safe writer: an O_EXCL temp file of an unpredictable name, opened by
+        # descriptor relative to the directory, renamed in it (never through a planted link).
+        with contextlib.ExitStack() as stack:
+            d = at or stack.enter_context(SafeDir.open(path.parent, follow=True))
+            out = stack.enter_context(d.create(path.name, durable=durable))
+            reserved = _reserve(out, need)
+            if reserved:
+                # HDF5 writes into the reserved file directly (one copy of the data, as
+                # torch.save): no write can meet a full disk, so no in-memory image is needed
+                with h5py.File(out, "w") as f:
+                    fill(f)
+                    f.flush()
+                    # the reserved tail past HDF5's end of allocation, cut with all of it flushed
+                    size = int(f.id.get_filesize())
+                    out.truncate(size)
+            elif estimate_bytes <= IN_MEMORY_MAX_BYTES:
+                name = f"sentineld-mem-{os.getpid()}-{next(_mem_files)}.h5"  # never touches the disk
+                # One allocation of about the final size (the core driver grows by 64 KiB otherwise).
+                block = max(1 << 20, min(need, IN_MEMORY_MAX_BYTES + (1 << 20)))
+                with h5py.File(name, "w", driver="core", backing_store=False, block_size=block) as f:
+                    fill(f)
+                    f.flush()
+                    image = f.id.get_file_image()
                 view = memoryview(image)
                 while view:
-                    view = view[os.write(fd, view):]
-                if durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            size = len(image)
-        else:
-            with h5py.File(tmp, "w") as f:
-                fill(f)
-            if durable:
-                fsync_path(tmp)
-            size = tmp.stat().st_size
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-        if durable:
-            fsync_path(path.parent)
+                    view = view[os.write(out.fileno(), view):]
+                size = len(image)
+            else:
+                # HDF5 writes into the file object we created (h5py's fileobj driver), so it never
+                # opens a name: nothing in the run dir can be swapped under it.
+                with h5py.File(out, "w") as f:
+                    fill(f)
+                out.seek(0, os.SEEK_END)
+                size = out.tell()
     except BaseException as exc:
-        tmp.unlink(missing_ok=True)
         full = disk_full_error(exc, path.parent)
         if full is not None and full is not exc:
             raise full from None

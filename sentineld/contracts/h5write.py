@@ -5,6 +5,7 @@ captures assembled from an on-disk ring (:mod:`sentineld.daemon.ring_recovery`).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import itertools
 import os
@@ -67,28 +68,44 @@ _NO_RESERVE = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS, getattr(errno, "ENO
 
 
 def _reserve(out: Any, need: int) -> bool:
-    """Reserve ``need`` bytes for the open temp file ``out`` before any data is written.
+    """Reserve ``need`` bytes of disk for the open temp file ``out`` before any data is written.
 
-    ``posix_fallocate`` either reserves the whole estimate (the HDF5 writes that follow cannot
-    meet a full disk, so its state never breaks: the h5py crash :data:`IN_MEMORY_MAX_BYTES`
-    guards against needs ENOSPC *during* a write) or fails at once with a clean ``OSError``
-    (ENOSPC; EFBIG under ``RLIMIT_FSIZE``) before anything is written (issue 23: the in-memory
-    image's two extra copies made a 96 MiB capture 2x torch.save + fsync).
+    Linux ``fallocate(FALLOC_FL_KEEP_SIZE)`` either reserves the whole estimate (the HDF5 writes
+    that follow cannot meet a full disk, so its state never breaks: the h5py crash
+    :data:`IN_MEMORY_MAX_BYTES` guards against needs ENOSPC *during* a write) or fails at once
+    with a clean ``OSError`` (ENOSPC; EFBIG under ``RLIMIT_FSIZE``) before anything is written
+    (issue 23: the in-memory image's two extra copies made a 96 MiB capture 2x torch.save +
+    fsync). KEEP_SIZE: the file stays empty, so HDF5 never reads back what it has not written
+    (the temp file is write-only); the blocks past the end are released by a truncate to the
+    final size.
 
     Returns:
-        True when reserved; False when the file system cannot reserve space (the caller then
-        writes another way).
+        True when reserved; False where the system cannot reserve space (not Linux, a file
+        system without fallocate): the caller then writes another way.
 
     Raises:
         OSError: the disk has no room (or the file size limit is below ``need``).
     """
-    try:
-        os.posix_fallocate(out.fileno(), 0, need)
-    except OSError as exc:
-        if exc.errno in _NO_RESERVE:
+    fallocate = _libc_fallocate()
+    if fallocate is None:
+        return False
+    if fallocate(out.fileno(), 1, 0, need) != 0:      # 1 = FALLOC_FL_KEEP_SIZE
+        err = ctypes.get_errno()
+        if err in _NO_RESERVE:
             return False
-        raise
+        raise OSError(err, os.strerror(err))
     return True
+
+
+def _libc_fallocate() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.fallocate64 if hasattr(libc, "fallocate64") else libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def write_h5_atomic(path: Path, fill: Any, estimate_bytes: int, *, durable: bool, what: str,
@@ -128,16 +145,14 @@ def write_h5_atomic(path: Path, fill: Any, estimate_bytes: int, *, durable: bool
         with contextlib.ExitStack() as stack:
             d = at or stack.enter_context(SafeDir.open(path.parent, follow=True))
             out = stack.enter_context(d.create(path.name, durable=durable))
-            reserved = _reserve(out, need)
-            if reserved:
+            if _reserve(out, need):
                 # HDF5 writes into the reserved file directly (one copy of the data, as
-                # torch.save): no write can meet a full disk, so no in-memory image is needed
+                # torch.save): no write can meet a full disk, no in-memory image needed
                 with h5py.File(out, "w") as f:
                     fill(f)
-                    f.flush()
-                    # the reserved tail past HDF5's end of allocation, cut with all of it flushed
-                    size = int(f.id.get_filesize())
-                    out.truncate(size)
+                out.seek(0, os.SEEK_END)
+                size = out.tell()
+                out.truncate(size)              # release the reserved blocks past the end
             elif estimate_bytes <= IN_MEMORY_MAX_BYTES:
                 name = f"sentineld-mem-{os.getpid()}-{next(_mem_files)}.h5"  # never touches the disk
                 # One allocation of about the final size (the core driver grows by 64 KiB otherwise).

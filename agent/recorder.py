@@ -28,7 +28,7 @@ import torch
 from sentineld.contracts.records import record_to_json
 from sentineld.contracts.snapshot import state_of
 from sentineld.contracts.stream import StreamWriter
-from sentineld.contracts.triggers import NONFINITE
+from sentineld.contracts.triggers import NONFINITE, SPIKE
 
 from .agent_config import AgentConfig
 from .capturer import CaptureWriter
@@ -79,7 +79,10 @@ class StepRecorder:
         self.peers = peers  # DDP: other ranks' incidents (agent/peers.py), None in one process
         self.ring = Ring(config.window, config.ring_bytes)
         self.schedule = SnapshotSchedule(config)
-        self.incidents = IncidentPolicy(config.rearm_steps, config.post_steps)
+        # A spike capture is replayed from its own rank alone, which is not the step a
+        # data-parallel run took (its gradients were all-reduced): no spike captures there yet.
+        self.incidents = IncidentPolicy(config.rearm_steps, config.post_steps,
+                                        config.spike_captures if peers is None else 0)
         self.readback = Readback()
         self.copies = HostCopies()
         if live is not None:
@@ -237,7 +240,7 @@ class StepRecorder:
             bad, opened = self.incidents.observe(record)
             lt.nonfinite_total += int(bad)
             self.stream.put(obj, urgent=bad)
-            if opened is not None and self.peers is not None:
+            if opened is not None and opened.trigger == NONFINITE and self.peers is not None:
                 self.peers.publish(opened.step)  # other ranks capture this step too
 
     # ------------------------------------------------------------- snapshots
@@ -296,6 +299,10 @@ class StepRecorder:
         # broke the parameters (seen only in N's loss) it is already corrupt, so prefer the one before.
         ring = self.ring
         span = (ring.span(end, before=step - 1) if step > 0 else None) or ring.span(end, before=step)
+        if trigger == SPIKE and step > 1:
+            # The spike replay compares the update that made the spiking state with the one
+            # before it: a snapshot two steps back when the ring holds one.
+            span = ring.span(end, before=step - 2) or span
         if span is None:
             log.warning("sentineld: step %d is not in the ring buffer (window %d); no capture",
                         step, self.config.window)

@@ -333,9 +333,13 @@ def b_adagrad() -> Any:
 
 
 def b_onecycle() -> Any:
+    # Peak lr 0.1. At a peak of 0.2 (momentum 0.9) this run's step 81 reaches a loss of 4.45 from a
+    # trailing median of 0.53, grad norm 9.8 (2x anything in its window): worse than the untrained
+    # model's ln 10 = 2.30 for one step. That is a real loss spike, which `loss_spike` rightly
+    # reports, not a healthy run to stay silent on.
     m = mlp(seed=28)
-    opt = torch.optim.SGD(m.parameters(), 0.1, momentum=0.9)
-    return m, opt, torch.optim.lr_scheduler.OneCycleLR(opt, 0.2, total_steps=150), _digits(seed=28)
+    opt = torch.optim.SGD(m.parameters(), 0.05, momentum=0.9)
+    return m, opt, torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=150), _digits(seed=28)
 
 
 def b_linear_decay_to_zero() -> Any:

@@ -58,6 +58,7 @@ from torch import nn
 from sentineld.contracts.records import LayerStats
 
 from .actprobe import ActivationProbe
+from .sharded import local
 
 __all__ = ["ProbeHandle", "attach_probes", "sampled_at", "DENSE_STEPS"]
 
@@ -104,6 +105,7 @@ def _wide(device: torch.device) -> torch.dtype:
 def _norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """L2 norm of each tensor as a 0-dim tensor on its device in :func:`_wide` precision (fused
     where possible): inf only when an element is inf, nan when one is nan."""
+    tensors = [local(t) for t in tensors]  # FSDP2: the rank's shard, no collective (agent/sharded.py)
     out: list[torch.Tensor | None] = [None] * len(tensors)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):

@@ -39,6 +39,7 @@ from .peers import PeerIncidents
 from .readback import Readback, grad_norm
 from .ring import HostCopies, Ring, RingEntry, Snapshot, to_host_sized
 from .rngread import RngReader
+from .sharded import to_host_sharded
 from .snapshots import SnapshotSchedule
 
 __all__ = ["StepRecorder"]
@@ -58,6 +59,7 @@ class StepRecorder:
         live: the in-process localizer (None when off); probes: per-layer probes (None when off).
         rank: this process's rank; device: the model's device.
         peers: the DDP incident exchange (:mod:`.peers`), or None outside a multi-rank job.
+        sharded: the model's parameters are FSDP2 DTensors (:mod:`.sharded`).
         clock, wall_clock: monotonic seconds (step time) and Unix seconds (record time).
     """
 
@@ -65,7 +67,8 @@ class StepRecorder:
                  scaler: Any, *, config: AgentConfig, stream: StreamWriter, latest: Latest,
                  writer: CaptureWriter, disk: DiskRingWriter | None, live: LiveLocalizer | None,
                  probes: Any, rank: int, device: torch.device, clock: Callable[[], float],
-                 wall_clock: Callable[[], float], peers: PeerIncidents | None = None) -> None:
+                 wall_clock: Callable[[], float], peers: PeerIncidents | None = None,
+                 sharded: bool = False) -> None:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self._lazy_done = False
         self._last_loss: weakref.ref[torch.Tensor] | None = None
@@ -75,6 +78,7 @@ class StepRecorder:
         self.disk, self.live, self.probes, self.rank, self.device = disk, live, probes, rank, device
         self._clock, self.wall = clock, wall_clock
         self.peers = peers  # DDP: other ranks' incidents (agent/peers.py), None in one process
+        self.sharded = sharded  # FSDP2 parameters (DTensors): snapshots hold local shards
         self.ring = Ring(config.window, config.ring_bytes)
         self.schedule = SnapshotSchedule(config)
         self.incidents = IncidentPolicy(config.rearm_steps, config.post_steps)
@@ -250,7 +254,9 @@ class StepRecorder:
         # Gradients are part of the state only in a loop that does not zero them before the
         # forward (no zero_grad, or accumulation across steps): then the next step adds to them.
         grads = {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
-        host, nbytes = to_host_sized(state_of(self.model, self.optimizer, self.scheduler, self.scaler, grads))
+        state = state_of(self.model, self.optimizer, self.scheduler, self.scaler, grads)
+        # FSDP2: each rank copies its own shards only (agent/sharded.py), never the whole parameter.
+        host, nbytes = to_host_sharded(state) if self.sharded else to_host_sized(state)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()

@@ -19,6 +19,10 @@ from sentineld.agent import attach
 from tests.e2e.ddp_model import batch_for, loss_fn, make_recipe
 
 
+#: The step whose starting parameters are saved whole (``<run id>.truth.pt`` beside the run dir).
+TRUTH_STEP = 4
+
+
 def sharded_recipe(world: int):  # noqa: ANN201 - the test's own helper
     """The recipe's model sharded as the test shards it, and Adam over its DTensors."""
     recipe = make_recipe()
@@ -36,6 +40,10 @@ def segment(runs_dir: str, run_id: str, fault: str, fault_rank: int, fault_step:
     watch = attach(model, opt, run_id=run_id, runs_dir=runs_dir, metrics_port=0, flush_s=0.2,
                    snapshot_every=4, layer_every=0, recipe="tests.e2e.ddp_model:make_recipe")
     for step in range(steps):
+        if step == TRUTH_STEP:  # the whole parameters before the snapshot's step, for the reload tests
+            full = {n: p.full_tensor() for n, p in model.named_parameters()}  # collective: every rank
+            if rank == 0:
+                torch.save(full, f"{runs_dir}/{run_id}.truth.pt")
         batch = batch_for(rank, step, fault, fault_rank, fault_step)
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model, batch)
@@ -43,6 +51,7 @@ def segment(runs_dir: str, run_id: str, fault: str, fault_rank: int, fault_step:
         opt.step()
         watch.step(loss, batch=batch)
     watch.close()
+
     dist.barrier()
 
 

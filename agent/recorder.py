@@ -27,7 +27,7 @@ import torch
 from sentineld.contracts.records import record_to_json
 from sentineld.contracts.snapshot import state_of
 from sentineld.contracts.stream import StreamWriter
-from sentineld.contracts.triggers import NONFINITE
+from sentineld.contracts.triggers import NONFINITE, REPLICA_DIVERGENCE
 
 from .agent_config import AgentConfig
 from .capturer import CaptureWriter
@@ -156,6 +156,9 @@ class StepRecorder:
                   "rank": self.rank, "grads_carried": self.grads_carried,
                   "lr": float(lr) if lr is not None and not isinstance(lr, torch.Tensor) else None}
         event = self.readback.push(n, values, fields, entry)
+        replicas = self.peers.replicas if self.peers is not None else None
+        if replicas is not None and replicas.due(n):
+            replicas.sample(n)  # after this step's optimizer step (agent/replicas.py)
         self.n += 1
         self._after(entry, event, forward_seen)
 
@@ -193,6 +196,7 @@ class StepRecorder:
         return True
 
     def _after(self, entry: RingEntry, event: Any, forward_seen: bool) -> None:
+        replicas = self.peers.replicas if self.peers is not None else None
         self.resolve_ready()
         if self.disk is not None:
             self.disk.add_step(entry, event)
@@ -200,6 +204,8 @@ class StepRecorder:
             self.flush_incident()
         if self.peers is not None and self.peers.requests:
             self.peer_captures()
+        if replicas is not None and replicas.divergences:
+            self.replica_captures()
         if self.n % 16 == 1:  # cadence drifts slowly; re-derive it now and then, not per step
             self.schedule.tune(self.ring.entries[-1].nbytes if self.ring.entries else 0)
         self.schedule.step_done(self.incidents.latched)
@@ -291,6 +297,17 @@ class StepRecorder:
             return
         snap, entries = span
         self.writer.start(trigger, step, snap, entries, message)
+
+    def replica_captures(self) -> None:
+        """Capture the steps after which the ranks' replicas differed (agent/replicas.py)."""
+        replicas = self.peers.replicas if self.peers is not None else None
+        for div in replicas.take() if replicas is not None else []:
+            msg = div.message(replicas.world)  # type: ignore[union-attr]
+            log.warning("sentineld: %s", msg)
+            self.stream.put({"kind": "replica_divergence", "step": div.step, "ranks": div.ranks,
+                             "parameter": div.parameter, "message": msg}, urgent=True)
+            last = self.ring.entries[-1].step if self.ring.entries else div.step
+            self.capture(REPLICA_DIVERGENCE, div.step, msg, last=max(div.step, last))
 
     def peer_captures(self) -> None:
         """Capture the steps where another rank opened an incident (agent/peers.py)."""

@@ -145,7 +145,8 @@ class Watch:
                                  latest=self.latest, writer=self._writer, disk=disk, live=self._live,
                                  probes=self._probes, rank=self.rank, device=self._device,
                                  clock=clock, wall_clock=wall_clock,
-                                 peers=peer_incidents(self.run_id, self.rank, world) if self.enabled else None,
+                                 peers=peer_incidents(self.run_id, self.rank, world, None if sharded else self._inner,
+                                                      cfg.replica_every) if self.enabled else None,
                                  sharded=sharded)
         log.info("sentineld: run %s rank %d: %s", self.run_id, self.rank, self.memory.describe())
         self._initial_snapshot()
@@ -345,6 +346,7 @@ class Watch:
                 if rec.peers is not None:  # a peer's incident announced at its close is still captured
                     rec.peers.close()
                     rec.peer_captures()
+                    rec.replica_captures()
             except Exception as exc:  # noqa: BLE001
                 self._disable(exc)
         if rec.peers is not None:

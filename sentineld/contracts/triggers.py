@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-__all__ = ["NONFINITE", "CRASH", "MANUAL", "REGRESS", "TRIGGERS"]
+__all__ = ["NONFINITE", "CRASH", "MANUAL", "REGRESS", "REPLICA_DIVERGENCE", "TRIGGERS"]
 
 #: A non-finite step (the agent's incident policy).
 NONFINITE = "nonfinite"
@@ -14,4 +14,7 @@ MANUAL = "manual"
 #: A regression fixture trimmed from a capture by ``sentineld regress`` (outside any run dir).
 REGRESS = "regress"
 
-TRIGGERS = (NONFINITE, CRASH, MANUAL, REGRESS)
+#: DDP replicas whose parameters differ after an optimizer step (``sentineld.agent.replicas``).
+REPLICA_DIVERGENCE = "replica_divergence"
+
+TRIGGERS = (NONFINITE, CRASH, MANUAL, REGRESS, REPLICA_DIVERGENCE)

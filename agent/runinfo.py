@@ -13,7 +13,7 @@ import torch
 
 from sentineld.contracts.rundir import stream_path, valid_run_id
 
-__all__ = ["dist_rank", "default_run_id", "job_attempt", "unwrap", "model_kind", "torch_flags", "unused_run_id"]
+__all__ = ["dist_rank", "default_run_id", "job_attempt", "unwrap", "is_compiled", "model_kind", "torch_flags", "unused_run_id"]
 
 log = logging.getLogger("sentineld.agent")
 
@@ -90,6 +90,11 @@ def model_kind(model: torch.nn.Module, sharded: bool) -> dict[str, Any]:
     backend = _backend_name(compiled.dynamo_ctx) if compiled is not None else None
     return {"compiled": compiled is not None, "compile_backend": backend,
             "sharded": "fsdp2" if sharded else None, "grad_norm": "local_shard" if sharded else "global"}
+
+
+def is_compiled(model: torch.nn.Module) -> bool:
+    """True when ``model`` is (or wraps) a ``torch.compile`` module (``OptimizedModule``)."""
+    return _compiled(model) is not None
 
 
 def _compiled(model: torch.nn.Module) -> Any:

@@ -58,7 +58,7 @@ from .peers import peer_incidents
 from .recorder import StepRecorder
 from .ring import Ring
 from .runfiles import open_run_files
-from .runinfo import dist_rank, model_kind, unwrap
+from .runinfo import dist_rank, is_compiled, model_kind, unwrap
 from .sharded import model_is_sharded, sharded_saver
 from .wiring import check_args, run_extra, start_disk_ring, start_metrics
 
@@ -178,7 +178,13 @@ class Watch:
             # here, not at the forward, so zero_grad() between forward and backward is fine.
             self._hooks.append(self._probe_param.register_hook(self._on_probe_grad))
         self._probes = None
-        if self.config.layer_every > 0:
+        if self.config.layer_every > 0 and is_compiled(model):
+            # Probe hooks inside a compiled module change its guards: each sampled step would
+            # recompile (and after dynamo's recompile limit run the model eagerly for good).
+            # A compiled model gets the per-step scalars only; its hooks are outside the graph.
+            log.info("sentineld: per-layer probes are off for a torch.compile'd model (they would "
+                     "recompile it on sampled steps); step scalars, snapshots and captures are on")
+        elif self.config.layer_every > 0:
             from .probes import attach_probes  # noqa: PLC0415
 
             self._probes = attach_probes(self._inner, optimizer, every=self.config.layer_every)

@@ -158,7 +158,7 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
         named_by += [p for r, p in sorted(ranks.items()) if r]
         report = replay_ddp(ranks, _factory(meta, spec, trust, named_by), step, env, t0=t0)
         report.run_id = meta.run_id
-        return report
+        return _mark_compiled(report, meta.extra)
     report = replay_capture(
         cap_path, lambda: _factory(meta, spec, trust, named_by), step, env, t0=t0)
     report.run_id = meta.run_id
@@ -166,6 +166,15 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
         from .ddp import mark_partial  # noqa: PLC0415
 
         mark_partial(report, meta.world_size, missing)
+    return _mark_compiled(report, meta.extra)
+
+
+def _mark_compiled(report: Report, extra: Any) -> Report:
+    """A compiled run's verdict says it was replayed eagerly (replay/compiled.py)."""
+    if isinstance(extra, dict) and extra.get("compiled") is True:
+        from .compiled import mark_compiled  # noqa: PLC0415
+
+        mark_compiled(report, extra)
     return report
 
 

@@ -103,6 +103,11 @@ class Report:
     localize_s: float = 0.0
     ranks: list[int] = field(default_factory=list)
     loss_tolerance: float = 0.0
+    #: The run trained a ``torch.compile``'d model; the replay ran it eagerly (replay/compiled.py).
+    compiled: bool = False
+    #: For a compiled run: the eager replay made the run's non-finite value at the same step
+    #: (None for an eager run).
+    eager_reproduced: bool | None = None
     schema_version: int = REPORT_SCHEMA_VERSION
 
     def to_json(self) -> str:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -58,7 +58,7 @@ class _Weights:
         return w[:n]
 
 
-def checksums(params: list[torch.Tensor], weights: _Weights | None = None) -> torch.Tensor:
+def checksums(params: Sequence[torch.Tensor], weights: _Weights | None = None) -> torch.Tensor:
     """One order-sensitive int64 checksum per tensor, on the tensors' device: ``(P,)`` int64.
 
     Raises:

@@ -13,7 +13,8 @@ import torch
 
 from sentineld.contracts.rundir import stream_path, valid_run_id
 
-__all__ = ["dist_rank", "default_run_id", "job_attempt", "unwrap", "is_compiled", "model_kind", "torch_flags", "unused_run_id"]
+__all__ = ["dist_rank", "default_run_id", "job_attempt", "unwrap", "is_compiled", "model_kind", "torch_flags",
+           "unused_run_id"]
 
 log = logging.getLogger("sentineld.agent")
 

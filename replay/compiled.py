@@ -20,12 +20,17 @@ dispatch tracing as for any run. So the verdict says so:
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
 
 from sentineld.contracts.capture import CaptureError, open_capture
+from sentineld.contracts.recipe import Recipe
 from sentineld.contracts.verdict import Report
 
-__all__ = ["REL_TOLERANCE", "mark_compiled"]
+from .rebuild import load_snapshot, rebuild, run_step, state_nonfinite
+
+__all__ = ["REL_TOLERANCE", "mark_compiled", "compiled_rerun"]
 
 #: Relative loss deviation accepted between the eager replay and the compiled run (1e-4: a few
 #: float32 ulps per fused reduction, grown over a few steps of Adam; the DDP replay's bound).
@@ -49,8 +54,14 @@ def _as_float(x: Any) -> float:
         return math.nan
 
 
-def mark_compiled(report: Report, extra: Mapping[str, Any]) -> None:
-    """Fill ``compiled``, ``eager_reproduced`` and ``evidence["compiled"]`` of a compiled run's verdict."""
+def mark_compiled(report: Report, extra: Mapping[str, Any],
+                  rerun: Callable[[str | None], dict[str, Any]] | None = None) -> None:
+    """Fill ``compiled``, ``eager_reproduced`` and ``evidence["compiled"]`` of a compiled run's verdict.
+
+    Args:
+        rerun: ``backend -> result`` of :func:`compiled_rerun` for this capture's step, called
+            only when eager did not reproduce (None: not re-run, e.g. a DDP replay).
+    """
     report.compiled = True
     rebuilt = {int(s): _as_float(v) for s, v in dict(report.evidence.get("rebuilt_losses") or {}).items()}
     recorded = _recorded(report) if "ddp" not in report.evidence else {}
@@ -81,4 +92,53 @@ def mark_compiled(report: Report, extra: Mapping[str, Any]) -> None:
         ev["note"] = ("the eager replay does not make the run's non-finite value: the compiled graph (or a "
                       "transient) does. Re-run the captured step compiled under the accuracy minifier: "
                       "TORCHDYNAMO_REPRO_AFTER=aot TORCHDYNAMO_REPRO_LEVEL=4, with the captured batch")
+        if rerun is not None:
+            ev["compiled_rerun"] = rerun(extra.get("compile_backend"))
     report.evidence["compiled"] = ev
+
+
+def compiled_rerun(cap_path: Path, make: Callable[[], Recipe], step: int, environment: Callable[[], Any],
+                   backend: str | None) -> dict[str, Any]:
+    """Re-run ``step`` of the capture compiled (best effort), for a fault eager did not make.
+
+    The state before ``step`` is rebuilt eagerly from the snapshot and the captured batches; then
+    the recipe's model is compiled with the run's backend and the captured step runs with its
+    real batch and RNG state, under dynamo's accuracy minifier (``repro_after="aot"``,
+    ``repro_level=4``: each AOT graph is checked against an fp64 eager run; a graph that fails
+    is written as a repro script) into ``<capture>.minifier/`` next to the capture.
+
+    Returns:
+        ``{"backend", "loss", "nonfinite", "minifier_dir", "repro_files"}``, or with ``"error"``
+        when the re-run itself failed (never raises).
+    """
+    out: dict[str, Any] = {"backend": backend or "inductor"}
+    outdir = cap_path.with_suffix(".minifier")
+    try:
+        import torch  # noqa: PLC0415
+        import torch._dynamo.config as dynamo_config  # noqa: PLC0415
+
+        with open_capture(cap_path) as cap, environment():
+            recs = {int(r["step"]): r for r in cap.records() if isinstance(r, dict) and "step" in r}
+            losses = {s: float(r["loss"]) for s, r in recs.items() if isinstance(r.get("loss"), (int, float))}
+            rec = make()
+            load_snapshot(rec, cap.snapshot())
+
+            def load(s: int) -> tuple[Any, Any]:
+                st = cap.step(s)
+                return st.batch, st.rng
+
+            rebuild(rec, range(cap.snapshot_step, step), load, losses)
+            batch, rng = load(step)
+            outdir.mkdir(mode=0o700, exist_ok=True)
+            torch._dynamo.reset()
+            with dynamo_config.patch(repro_after="aot", repro_level=4, debug_dir_root=str(outdir)):
+                module: Any = torch.compile(rec.model, backend=out["backend"])  # an OptimizedModule
+                compiled = replace(rec, model=module)
+                loss = run_step(compiled, batch, rng)
+            torch._dynamo.reset()
+        out.update(loss=loss, nonfinite=not math.isfinite(loss) or state_nonfinite(rec))
+    except Exception as exc:  # noqa: BLE001 - best effort: the compiler or the minifier may fail
+        out["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    files = sorted(str(p.relative_to(outdir)) for p in outdir.rglob("*.py")) if outdir.is_dir() else []
+    out.update(minifier_dir=str(outdir), repro_files=files)
+    return out

@@ -166,15 +166,23 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
         from .ddp import mark_partial  # noqa: PLC0415
 
         mark_partial(report, meta.world_size, missing)
-    return _mark_compiled(report, meta.extra)
+
+    def rerun(backend: str | None) -> dict[str, Any]:
+        from .compiled import compiled_rerun  # noqa: PLC0415
+
+        return compiled_rerun(cap_path, _factory(meta, spec, trust, named_by), report.step, env, backend)
+
+    return _mark_compiled(report, meta.extra, rerun)
 
 
-def _mark_compiled(report: Report, extra: Any) -> Report:
-    """A compiled run's verdict says it was replayed eagerly (replay/compiled.py)."""
+def _mark_compiled(report: Report, extra: Any, rerun: Callable[[str | None], dict[str, Any]] | None = None
+                   ) -> Report:
+    """A compiled run's verdict says it was replayed eagerly (replay/compiled.py); a fault eager
+    did not make is re-run compiled (``rerun``, single-capture replays)."""
     if isinstance(extra, dict) and extra.get("compiled") is True:
         from .compiled import mark_compiled  # noqa: PLC0415
 
-        mark_compiled(report, extra)
+        mark_compiled(report, extra, rerun)
     return report
 
 

@@ -105,6 +105,12 @@ def test_fault_eager_does_not_make_is_said(compiled_runs: tuple[Path, dict[str, 
     assert report.compiled is True and report.eager_reproduced is False and report.phase == "none"
     assert not report.reproduced
     assert "TORCHDYNAMO_REPRO_AFTER=aot" in report.evidence["compiled"]["note"]
+    # Re-run compiled from the captured state and real batch: finite too (the fault came from
+    # outside the capture), and the minifier found no graph to write.
+    rerun = report.evidence["compiled"]["compiled_rerun"]
+    assert "error" not in rerun, rerun
+    assert rerun["backend"] == BACKEND and rerun["nonfinite"] is False and rerun["repro_files"] == []
+    assert Path(rerun["minifier_dir"]).parent == runs / "c-transient"
 
 
 def test_eager_run_verdict_says_not_compiled(tmp_path: Path) -> None:

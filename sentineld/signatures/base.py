@@ -34,6 +34,7 @@ SIGNATURES: Mapping[str, Severity] = {
     "nonfinite": "critical",
     "divergence_spike": "critical",
     "divergence_growth": "critical",
+    "loss_spike": "warning",
     "exploding_gradients": "critical",
     "vanishing_gradients": "warning",
     "dead_relu": "warning",

@@ -27,6 +27,7 @@ from .loss import (
 )
 from .numerics import detect_loss_scale_collapse, detect_nonfinite
 from .signature_config import SignatureConfig
+from .spike import detect_loss_spike
 from .updates import detect_gradients_not_applied, detect_update_ratio
 from .zero_grad import detect_forgotten_zero_grad
 
@@ -62,15 +63,17 @@ def evaluate(records: Sequence[StepRecord] | Iterable[StepRecord],
         lambda: detect_loss_scale_collapse(records, cfg.loss_scale_collapse),
         lambda: detect_divergence_spike(records, cfg.divergence_spike, num_classes),
         lambda: detect_divergence_growth(records, cfg.divergence_growth, num_classes),
-        lambda: detect_exploding_gradients(records, cfg.exploding_gradients),
-        lambda: detect_gradients_not_applied(records, cfg.gradients_not_applied),
+        lambda: detect_loss_spike(records, cfg.loss_spike),
+        lambda: detect_exploding_gradients(records, cfg.exploding_gradients, num_classes),
+        lambda: detect_gradients_not_applied(records, cfg.gradients_not_applied,
+                                                     num_classes),
         lambda: detect_missing_gradients(records, cfg.missing_gradients),
         lambda: detect_forgotten_zero_grad(records, cfg.forgotten_zero_grad),
         lambda: detect_stalled(records, cfg.stalled, now_s),
-        lambda: detect_vanishing_gradients(records, cfg.vanishing_gradients),
+        lambda: detect_vanishing_gradients(records, cfg.vanishing_gradients, num_classes),
         lambda: detect_dead_relu(records, cfg.dead_relu),
         lambda: detect_saturated_activation(records, cfg.saturated_activation),
-        lambda: detect_update_ratio(records, cfg.update_ratio),
+        lambda: detect_update_ratio(records, cfg.update_ratio, num_classes),
         lambda: detect_plateau(records, cfg.plateau, num_classes),
         lambda: detect_oscillation(records, cfg.oscillation, num_classes),
         lambda: detect_initial_loss(records, cfg.initial_loss, num_classes),

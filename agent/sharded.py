@@ -158,6 +158,7 @@ class ShardedSaver:
         tmp = run_dir / f".{name}.tmp"
         dcp.save(sd, checkpoint_id=str(tmp), process_group=self.group)
         if self.rank == 0:
+            os.chmod(tmp, 0o700)  # DCP made it with the umask's mode; the run dir's files are private
             os.replace(tmp, run_dir / name)
         return plain, name
 

@@ -101,6 +101,7 @@ class StepRecorder:
         self._pre_hook_ran = False
         self.clip_grad_norm = clip_grad_norm
         self._bw_norm: torch.Tensor | None = None  # pre-clip norm at the end of backward
+        self._clip_max: float | None = None  # set: this step's norm is kept (taken before clipping)
 
     # ------------------------------------------------------------- hook side
     def begin(self, args: Any, kwargs: Any) -> None:
@@ -133,11 +134,21 @@ class StepRecorder:
                 g = g / scale.to(g.device, non_blocking=True).float().reshape(())
         self._bw_norm = g
 
-    def grads_ready(self) -> None:
+    def grads_ready(self, norm: torch.Tensor | None = None, clip_max: float | None = None) -> None:
         """The gradients are complete: take the global grad norm (on device, no sync), or use
-        the pre-clip one of :meth:`backward_done`."""
-        self._gnorm = self._bw_norm if self._bw_norm is not None else grad_norm(self.optimizer)
+        the pre-clip one of :meth:`backward_done`.
+
+        ``norm``: the framework's own value (the HF Trainer's clip returns it); ``clip_max``:
+        the framework clips to this norm next, so this value is kept for the step (a later
+        call, e.g. the optimizer's pre-hook, would see the clipped gradients)."""
+        if self._clip_max is not None:
+            return
+        if norm is not None:
+            self._gnorm = norm.detach().float().reshape(())
+        else:
+            self._gnorm = self._bw_norm if self._bw_norm is not None else grad_norm(self.optimizer)
         self._pre_hook_ran = True
+        self._clip_max = clip_max
 
     # ------------------------------------------------------------------ step
     def record(self, loss: torch.Tensor | float, batch: Any) -> None:
@@ -152,6 +163,7 @@ class StepRecorder:
         gnorm = self._gnorm if self._pre_hook_ran else (
             self._bw_norm if self._bw_norm is not None else grad_norm(self.optimizer))
         forward_seen = self.step_started
+        clip_max, self._clip_max = self._clip_max, None
         self._gnorm, self._pre_hook_ran, self.step_started, self._bw_norm = None, False, False, None
         loss_t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         groups = self.optimizer.param_groups
@@ -175,7 +187,7 @@ class StepRecorder:
                   "layers": layers or None, "param_nonfinite": params_nonfinite(layers),
                   "rank": self.rank, "grads_carried": self.grads_carried,
                   "lr": float(lr) if lr is not None and not isinstance(lr, torch.Tensor) else None,
-                  "clip_grad_norm": self.clip_grad_norm}
+                  "clip_grad_norm": clip_max if clip_max is not None else self.clip_grad_norm}
         event = self.readback.push(n, values, fields, entry)
         replicas = self.peers.replicas if self.peers is not None else None
         if replicas is not None and replicas.due(n):

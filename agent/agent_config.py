@@ -56,6 +56,10 @@ class AgentConfig:
             warning (SIGKILL, OOM killer) still yields a ``crash`` capture, assembled by the
             daemon or ``sentineld recover``. Writes happen on a background thread; the per-step
             cost is measured by ``bench/disk_ring_cost.py``.
+        replica_every: steps between DDP replica checks (each rank checksums its parameters
+            after the optimizer step and the ranks compare through the job's store:
+            ``sentineld.agent.replicas``); 0 = off. 25 names a silently changed replica within
+            50 steps at one checksum pass over the parameters per 25 steps (docs/distributed.md).
     """
 
     snapshot_every: int = 0
@@ -73,6 +77,7 @@ class AgentConfig:
     capture_on_crash: bool = True
     capture_on_sigterm: bool = True
     disk_ring: bool = False
+    replica_every: int = 25
 
     def __post_init__(self) -> None:
         if self.snapshot_every < 0:
@@ -88,6 +93,8 @@ class AgentConfig:
             raise ValueError(f"metrics_port must be -1, 0 or a TCP port, got {self.metrics_port}")
         if not self.flush_s > 0:
             raise ValueError(f"flush_s must be > 0 seconds, got {self.flush_s}")
+        if self.replica_every < 0:
+            raise ValueError(f"replica_every must be >= 0 (0 = off), got {self.replica_every}")
         if self.spike_captures < 0:
             raise ValueError(f"spike_captures must be >= 0 (0 = off), got {self.spike_captures}")
         if self.layer_every < 0 or self.rearm_steps < 0 or self.post_steps < 0 or self.ring_bytes <= 0:

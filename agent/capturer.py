@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,6 +42,7 @@ class CaptureWriter:
         self.run_dir, self.run_id, self.rank, self.device = run_dir, run_id, rank, device
         self.stream, self.latest, self.localizer = stream, latest, localizer
         self.captures: list[Path] = []
+        self.sharded: Any = None  # a ShardedSaver (agent/sharded.py) for an FSDP2 model
         self.crash_captured = False
         self._threads: list[threading.Thread] = []
 
@@ -64,9 +66,12 @@ class CaptureWriter:
             snap.wait()
             if self.device.type == "cuda":
                 torch.cuda.synchronize()  # blocks this thread only: batch copies must have landed
+            state, sharded_dir = snap.state, None
+            if self.sharded is not None:  # every rank's shards into one DCP checkpoint, together
+                state, sharded_dir = self.sharded.save(self.run_dir, step, trigger, snap.step, state)
             write_capture(
                 path, run_id=self.run_id, rank=self.rank, trigger=trigger, first_step=step,
-                snapshot_step=snap.step, snapshot=snap.state,
+                snapshot_step=snap.step, snapshot=state, sharded_state=sharded_dir,
                 steps=[CaptureStep(e.step, e.batch, e.rng) for e in entries],
                 records=[e.record for e in entries if e.record is not None],
                 message=message, forward_calls=self.localizer.calls_for(entries) if self.localizer else None)

@@ -61,6 +61,7 @@ class PeerIncidents:
         self.requests: list[tuple[int, int]] = []
         self._stop = threading.Event()
         self._failed = False
+        self.replicas: Any = None  # a ReplicaCheck (agent/replicas.py): polled by the same thread
         self._thread = threading.Thread(target=self._loop, args=(interval_s,), name="sentineld-peers",
                                         daemon=True)
         self._thread.start()
@@ -104,12 +105,14 @@ class PeerIncidents:
         if self._thread is not threading.current_thread():
             self._thread.join(5.0)
 
-    def close(self) -> None:
-        """Stop the thread and poll one last time."""
+    def close(self, settle_s: float = 5.0) -> None:
+        """Stop the thread and poll one last time (replica samples: until compared, at most ``settle_s``)."""
         self.stop()
         if not self._failed:
             try:
                 self.poll()
+                if self.replicas is not None:
+                    self.replicas.settle(settle_s, self.replicas.poll)
             except Exception as exc:  # noqa: BLE001
                 self._fail(exc)
 
@@ -117,6 +120,8 @@ class PeerIncidents:
         while not self._stop.wait(interval_s):
             try:
                 self.poll()
+                if self.replicas is not None:
+                    self.replicas.poll()
             except Exception as exc:  # noqa: BLE001
                 self._fail(exc)
                 return
@@ -128,9 +133,23 @@ class PeerIncidents:
                         "will not trigger captures on this rank", self.rank, exc)
 
 
-def peer_incidents(run_id: str, rank: int, world: int) -> PeerIncidents | None:
-    """A :class:`PeerIncidents` for a multi-rank job with an initialised process group, else None."""
+def peer_incidents(run_id: str, rank: int, world: int, model: Any = None,
+                   replica_every: int = 0) -> PeerIncidents | None:
+    """A :class:`PeerIncidents` for a multi-rank job with an initialised process group, else None.
+
+    Args:
+        model: the unwrapped model; with ``replica_every > 0`` and unsharded parameters (DDP: one
+            replica per rank) its replicas are compared every ``replica_every`` steps
+            (:mod:`.replicas`). A sharded (FSDP2) model has no replicas to compare.
+    """
     if world <= 1:
         return None
     store = _default_store()
-    return PeerIncidents(store, run_id, rank) if store is not None else None
+    if store is None:
+        return None
+    peers = PeerIncidents(store, run_id, rank)
+    if model is not None and replica_every > 0:
+        from .replicas import ReplicaCheck  # noqa: PLC0415
+
+        peers.replicas = ReplicaCheck(store, run_id, rank, world, model, replica_every)
+    return peers

@@ -63,6 +63,7 @@ from torch import nn
 from sentineld.contracts.records import LayerStats
 
 from .actprobe import ActivationProbe
+from .sharded import local
 
 __all__ = ["ProbeHandle", "attach_probes", "sampled_at", "full_at", "DENSE_STEPS"]
 
@@ -137,6 +138,7 @@ def _norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     is inf only when an element is, nan when one is nan. Not float64 here: on CPU a float64
     ``_foreach_norm`` of float32 tensors is ~13x slower than the float32 one (3.5 vs 0.26 ms for
     the 0.83M-parameter MLP of bench/overhead.py), and a full sample takes four of them."""
+    tensors = [local(t) for t in tensors]  # FSDP2: the rank's shard, no collective (agent/sharded.py)
     out: list[torch.Tensor | None] = [None] * len(tensors)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
@@ -159,6 +161,7 @@ def _norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def _exact(t: torch.Tensor) -> float:
     """The L2 norm of ``t`` in :func:`_wide` precision (the rare path: a fast norm read inf)."""
+    t = local(t)  # FSDP2: the rank's shard, no collective
     if t.is_sparse:
         t = t.coalesce()._values()
     return float(torch.linalg.vector_norm(t, dtype=_wide(t.device)))

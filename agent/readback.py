@@ -16,6 +16,7 @@ from sentineld.contracts.records import StepRecord
 
 from .incidents import batch_nonfinite
 from .ring import RingEntry
+from .sharded import is_dtensor
 
 __all__ = ["grad_norm", "Readback"]
 
@@ -28,6 +29,8 @@ def grad_norm(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             g = p.grad
+            if g is not None and type(g) is not torch.Tensor and is_dtensor(g):
+                g = g.to_local()  # FSDP2: this rank's shard; no collective (agent/sharded.py)
             if g is not None and not g.is_sparse:
                 by_device.setdefault((g.device, g.dtype), []).append(g)
     if not by_device:

@@ -28,7 +28,7 @@ import torch
 from sentineld.contracts.records import record_to_json
 from sentineld.contracts.snapshot import state_of
 from sentineld.contracts.stream import StreamWriter
-from sentineld.contracts.triggers import NONFINITE, SPIKE
+from sentineld.contracts.triggers import NONFINITE, REPLICA_DIVERGENCE, SPIKE
 
 from .agent_config import AgentConfig
 from .capturer import CaptureWriter
@@ -40,6 +40,7 @@ from .peers import PeerIncidents
 from .readback import Readback, grad_norm
 from .ring import HostCopies, Ring, RingEntry, Snapshot, to_host_sized
 from .rngread import RngReader
+from .sharded import to_host_sharded
 from .snapshots import SnapshotSchedule
 
 __all__ = ["StepRecorder"]
@@ -59,6 +60,7 @@ class StepRecorder:
         live: the in-process localizer (None when off); probes: per-layer probes (None when off).
         rank: this process's rank; device: the model's device.
         peers: the DDP incident exchange (:mod:`.peers`), or None outside a multi-rank job.
+        sharded: the model's parameters are FSDP2 DTensors (:mod:`.sharded`).
         clock, wall_clock: monotonic seconds (step time) and Unix seconds (record time).
     """
 
@@ -67,7 +69,7 @@ class StepRecorder:
                  writer: CaptureWriter, disk: DiskRingWriter | None, live: LiveLocalizer | None,
                  probes: Any, rank: int, device: torch.device, clock: Callable[[], float],
                  wall_clock: Callable[[], float], peers: PeerIncidents | None = None,
-                 clip_grad_norm: float | None = None) -> None:
+                 clip_grad_norm: float | None = None, sharded: bool = False) -> None:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self._lazy_done = False
         self._last_loss: weakref.ref[torch.Tensor] | None = None
@@ -77,6 +79,7 @@ class StepRecorder:
         self.disk, self.live, self.probes, self.rank, self.device = disk, live, probes, rank, device
         self._clock, self.wall = clock, wall_clock
         self.peers = peers  # DDP: other ranks' incidents (agent/peers.py), None in one process
+        self.sharded = sharded  # FSDP2 parameters (DTensors): snapshots hold local shards
         self.ring = Ring(config.window, config.ring_bytes)
         self.schedule = SnapshotSchedule(config)
         # A spike capture is replayed from its own rank alone, which is not the step a
@@ -186,6 +189,9 @@ class StepRecorder:
                   "lr": float(lr) if lr is not None and not isinstance(lr, torch.Tensor) else None,
                   "clip_grad_norm": clip_max if clip_max is not None else self.clip_grad_norm}
         event = self.readback.push(n, values, fields, entry)
+        replicas = self.peers.replicas if self.peers is not None else None
+        if replicas is not None and replicas.due(n):
+            replicas.sample(n)  # after this step's optimizer step (agent/replicas.py)
         self.n += 1
         self._after(entry, event, forward_seen)
 
@@ -223,6 +229,7 @@ class StepRecorder:
         return True
 
     def _after(self, entry: RingEntry, event: Any, forward_seen: bool) -> None:
+        replicas = self.peers.replicas if self.peers is not None else None
         self.resolve_ready()
         if self.disk is not None:
             self.disk.add_step(entry, event)
@@ -230,6 +237,8 @@ class StepRecorder:
             self.flush_incident()
         if self.peers is not None and self.peers.requests:
             self.peer_captures()
+        if replicas is not None and replicas.divergences:
+            self.replica_captures()
         if self.n % 16 == 1:  # cadence drifts slowly; re-derive it now and then, not per step
             self.schedule.tune(self.ring.entries[-1].nbytes if self.ring.entries else 0)
         self.schedule.step_done(self.incidents.latched)
@@ -284,7 +293,9 @@ class StepRecorder:
         # Gradients are part of the state only in a loop that does not zero them before the
         # forward (no zero_grad, or accumulation across steps): then the next step adds to them.
         grads = {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
-        host, nbytes = to_host_sized(state_of(self.model, self.optimizer, self.scheduler, self.scaler, grads))
+        state = state_of(self.model, self.optimizer, self.scheduler, self.scaler, grads)
+        # FSDP2: each rank copies its own shards only (agent/sharded.py), never the whole parameter.
+        host, nbytes = to_host_sharded(state) if self.sharded else to_host_sized(state)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -323,6 +334,17 @@ class StepRecorder:
             return
         snap, entries = span
         self.writer.start(trigger, step, snap, entries, message)
+
+    def replica_captures(self) -> None:
+        """Capture the steps after which the ranks' replicas differed (agent/replicas.py)."""
+        replicas = self.peers.replicas if self.peers is not None else None
+        for div in replicas.take() if replicas is not None else []:
+            msg = div.message(replicas.world)  # type: ignore[union-attr]
+            log.warning("sentineld: %s", msg)
+            self.stream.put({"kind": "replica_divergence", "step": div.step, "ranks": div.ranks,
+                             "parameter": div.parameter, "message": msg}, urgent=True)
+            last = self.ring.entries[-1].step if self.ring.entries else div.step
+            self.capture(REPLICA_DIVERGENCE, div.step, msg, last=max(div.step, last))
 
     def peer_captures(self) -> None:
         """Capture the steps where another rank opened an incident (agent/peers.py)."""

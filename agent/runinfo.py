@@ -12,7 +12,7 @@ import torch
 
 from sentineld.contracts.rundir import valid_run_id
 
-__all__ = ["dist_rank", "default_run_id", "job_attempt", "unwrap", "torch_flags"]
+__all__ = ["dist_rank", "default_run_id", "job_attempt", "unwrap", "is_compiled", "model_kind", "torch_flags"]
 
 log = logging.getLogger("sentineld.agent")
 
@@ -78,6 +78,45 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             model = model._orig_mod  # type: ignore[assignment]
         else:
             return model
+
+
+def model_kind(model: torch.nn.Module, sharded: bool) -> dict[str, Any]:
+    """run.json fields saying how the model runs: ``compiled`` (a ``torch.compile`` wrapper was
+    attached: the replay runs it eagerly), its ``compile_backend``, ``sharded`` (``"fsdp2"``:
+    parameters are DTensors) and ``grad_norm`` (``"local_shard"``: each rank's recorded grad norm
+    is the L2 norm of its own shards; the global one is ``sqrt(sum over ranks of its square)``)."""
+    compiled = _compiled(model)
+    backend = _backend_name(compiled.dynamo_ctx) if compiled is not None else None
+    return {"compiled": compiled is not None, "compile_backend": backend,
+            "sharded": "fsdp2" if sharded else None, "grad_norm": "local_shard" if sharded else "global"}
+
+
+def is_compiled(model: torch.nn.Module) -> bool:
+    """True when ``model`` is (or wraps) a ``torch.compile`` module (``OptimizedModule``)."""
+    return _compiled(model) is not None
+
+
+def _compiled(model: torch.nn.Module) -> Any:
+    m: Any = model
+    while m is not None:
+        if type(m).__name__ == "OptimizedModule":
+            return m
+        m = getattr(m, "module", None) if isinstance(m, torch.nn.Module) else None
+    return None
+
+
+def _backend_name(ctx: Any) -> str | None:
+    """The backend's name (``inductor``, ``aot_eager``...) of a dynamo context: dynamo wraps the
+    backend in callables that each keep the one inside as ``_torchdynamo_orig_backend``."""
+    obj = getattr(ctx, "callback", None)
+    for _ in range(8):
+        if obj is None:
+            return None
+        name = getattr(obj, "compiler_name", None) or getattr(obj, "__name__", None)
+        if isinstance(name, str) and name not in ("callback", "__call__"):
+            return name
+        obj = getattr(obj, "_torchdynamo_orig_backend", None)
+    return None
 
 
 def torch_flags() -> dict[str, Any]:

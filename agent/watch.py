@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -57,7 +58,8 @@ from .peers import peer_incidents
 from .recorder import StepRecorder
 from .ring import Ring
 from .runfiles import open_run_files
-from .runinfo import dist_rank, unwrap
+from .runinfo import dist_rank, is_compiled, model_kind, unwrap
+from .sharded import model_is_sharded, sharded_saver
 from .wiring import check_args, check_signatures, run_extra, start_disk_ring, start_metrics
 
 __all__ = ["Watch"]
@@ -106,6 +108,11 @@ class Watch:
         # use it, so the replay's plain model loads them without a "module." prefix.
         self._inner = unwrap(model)
         self.rank, world, local_rank = dist_rank()
+        sharded = self._sharded = model_is_sharded(self._inner)
+        if sharded and cfg.snapshot_every == 0:
+            # The ranks' shards of one checkpoint must come from the same step: the auto cadence
+            # is tuned per rank from its own step times, so an FSDP2 run snapshots at a fixed one.
+            cfg = self.config = replace(cfg, snapshot_every=min(cfg.min_snapshot_every, cfg.window // 2))
         self._accumulating = accumulation_steps > 1
         self._live = make_localizer(localize, self._inner, optimizer, loss_fn, recipe, cfg.window,
                                     run_id, scheduler=scheduler, scaler=scaler, num_classes=num_classes,
@@ -114,7 +121,9 @@ class Watch:
         files = open_run_files(Path(runs_dir or default_runs_dir()).expanduser(), run_id, self.rank, world,
                                recipe=recipe, recipe_args=dict(recipe_args or {}),
                                num_classes=num_classes, flush_s=cfg.flush_s,
-                               wall_clock=wall_clock, extra={**run_extra(self._live, localize, self._inner), **extra})
+                               wall_clock=wall_clock,
+                               extra={**run_extra(self._live, localize, self._inner), **extra,
+                                      **model_kind(model, sharded)})
         self.run_id, self.run_dir, self.stream, self.enabled = files.run_id, files.run_dir, files.stream, files.ok
         if self._live is not None:
             self._live.run_id = self.run_id
@@ -132,13 +141,17 @@ class Watch:
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._writer = CaptureWriter(self.run_dir, self.run_id, self.rank, self._device, self.stream,
                                      self.latest, localizer=self._live)
+        if sharded and self.enabled:
+            self._writer.sharded = sharded_saver(self._inner, self.rank, world)
         self._install_hooks(clip_grad_norm if world == 1 else None)
         self._rec = StepRecorder(self._inner, optimizer, scheduler, scaler, config=cfg, stream=self.stream,
                                  clip_grad_norm=clip_grad_norm,
                                  latest=self.latest, writer=self._writer, disk=disk, live=self._live,
                                  probes=self._probes, rank=self.rank, device=self._device,
                                  clock=clock, wall_clock=wall_clock,
-                                 peers=peer_incidents(self.run_id, self.rank, world) if self.enabled else None)
+                                 peers=peer_incidents(self.run_id, self.rank, world, None if sharded else self._inner,
+                                                      cfg.replica_every) if self.enabled else None,
+                                 sharded=sharded)
         log.info("sentineld: run %s rank %d: %s", self.run_id, self.rank, self.memory.describe())
         self._initial_snapshot()
         EXITS.register(self)
@@ -159,7 +172,9 @@ class Watch:
                                  and not torch.nn.parameter.is_lazy(p)),
                                 key=lambda p: p.numel(), default=None)
         self._hooks = [
-            model.register_forward_pre_hook(self._on_forward, with_kwargs=True),
+            # FSDP2's own pre-forward hook unshards the parameters; a state_dict() after it (the
+            # snapshot) registers the shards back mid-forward. Ours runs first on a sharded model.
+            model.register_forward_pre_hook(self._on_forward, with_kwargs=True, prepend=self._sharded),
             optimizer.register_step_pre_hook(self._on_optimizer_step),
         ]
         if self._probe_param is not None and not self._accumulating:
@@ -173,7 +188,13 @@ class Watch:
             # backward may come before the reducer wrote the averaged gradients.
             self._hooks.append(self._probe_param.register_hook(self._on_backward))
         self._probes = None
-        if self.config.layer_every > 0:
+        if self.config.layer_every > 0 and is_compiled(model):
+            # Probe hooks inside a compiled module change its guards: each sampled step would
+            # recompile (and after dynamo's recompile limit run the model eagerly for good).
+            # A compiled model gets the per-step scalars only; its hooks are outside the graph.
+            log.info("sentineld: per-layer probes are off for a torch.compile'd model (they would "
+                     "recompile it on sampled steps); step scalars, snapshots and captures are on")
+        elif self.config.layer_every > 0:
             from .probes import attach_probes  # noqa: PLC0415
 
             self._probes = attach_probes(self._inner, optimizer, every=self.config.layer_every)
@@ -361,6 +382,7 @@ class Watch:
                 if rec.peers is not None:  # a peer's incident announced at its close is still captured
                     rec.peers.close()
                     rec.peer_captures()
+                    rec.replica_captures()
             except Exception as exc:  # noqa: BLE001
                 self._disable(exc)
         if rec.peers is not None:

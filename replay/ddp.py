@@ -235,11 +235,20 @@ def replay_ddp(paths: dict[int, Path], make: Callable[[], Recipe], step: int | N
         target = min(c.first_step for c in caps.values()) if step is None else step
         ranks = _ranks(caps, target)
         snapshot = caps[ranks.snapshot_rank].snapshot()
+        fsdp = None
+        if caps[ranks.snapshot_rank].sharded_state:  # FSDP2: the shards, consolidated (replay/fsdp.py)
+            from .fsdp import consolidated_snapshot  # noqa: PLC0415
+
+            snapshot, fsdp = consolidated_snapshot(caps[ranks.snapshot_rank], snapshot)
         with environment() as in_effect:
             report, cmp, offending, t1 = _run(make, world, ranks, snapshot, target, step is None)
         t2 = time.perf_counter()
     report.run_id = str(caps[0].run_id) if 0 in caps else ""
     _finish(report, paths, ranks, cmp, offending, in_effect)
+    if fsdp is not None:
+        report.evidence["fsdp"] = fsdp
+        report.evidence["ddp"]["reduction"] = ("per rank grad * (1/W), summed in rank order (FSDP2's "
+                                               "reduce-scatter average, each shard's sum)")
     report.rebuild_s, report.localize_s = round(t1 - t0, 4), round(t2 - t1, 4)
     report.elapsed_s = round(time.perf_counter() - t0, 4)
     return report

@@ -172,7 +172,7 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
         named_by += [p for r, p in sorted(ranks.items()) if r]
         report = replay_ddp(ranks, _factory(meta, spec, trust, named_by), step, env, t0=t0)
         report.run_id = meta.run_id
-        return report
+        return _mark_compiled(report, meta.extra)
     if meta.world_size > 1 and _is_spike(cap_path):
         raise ReplayError(f"{cap_path.name}: a loss-spike verdict of a {meta.world_size}-rank run is not "
                           "replayed yet (each rank's step used all ranks' gradients); replay a "
@@ -187,8 +187,8 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
             return report
         report = replay_capture(cap_path, lambda: _factory(meta, spec, trust, named_by), step, env, t0=t0)
         report.run_id = meta.run_id
-        return add_what_if(report, cap_path, _factory(meta, spec, trust, named_by), env,
-                           compiled=run_compiled(meta), repeats=repeats)
+        return _mark_compiled(add_what_if(report, cap_path, _factory(meta, spec, trust, named_by), env,
+                                          compiled=run_compiled(meta), repeats=repeats), meta.extra)
     report = replay_capture(
         cap_path, lambda: _factory(meta, spec, trust, named_by), step, env, t0=t0)
     report.run_id = meta.run_id
@@ -196,6 +196,23 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
         from .ddp import mark_partial  # noqa: PLC0415
 
         mark_partial(report, meta.world_size, missing)
+
+    def rerun(backend: str | None) -> dict[str, Any]:
+        from .compiled import compiled_rerun  # noqa: PLC0415
+
+        return compiled_rerun(cap_path, _factory(meta, spec, trust, named_by), report.step, env, backend)
+
+    return _mark_compiled(report, meta.extra, rerun)
+
+
+def _mark_compiled(report: Report, extra: Any, rerun: Callable[[str | None], dict[str, Any]] | None = None
+                   ) -> Report:
+    """A compiled run's verdict says it was replayed eagerly (replay/compiled.py); a fault eager
+    did not make is re-run compiled (``rerun``, single-capture replays)."""
+    if isinstance(extra, dict) and extra.get("compiled") is True:
+        from .compiled import mark_compiled  # noqa: PLC0415
+
+        mark_compiled(report, extra, rerun)
     return report
 
 

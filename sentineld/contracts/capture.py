@@ -13,6 +13,10 @@ Layout (schema version 1)::
     /forward/<step>/tree, /forward/<step>/<i>   the model's top-level forward call of that step,
                            ``{"args": [...], "kwargs": {...}}`` (optional: forward-only runs)
 
+A sharded (FSDP2) run's snapshot holds placeholders ``{"__dcp__": key}`` where its DTensors sit;
+the root attribute ``sharded_state`` names the run directory's DCP checkpoint that holds them
+(:mod:`sentineld.contracts.dcpstate`). Absent for every other run.
+
 Snapshot S is the state *before* step S ran, so re-executing steps S..N-1 gives the state before N.
 The gradients at N are not stored: the replay makes them again, bit for bit, from S and the batches
 (captures written before this change may hold a ``/grads`` group; readers ignore it).
@@ -177,6 +181,7 @@ def write_capture(
     forward_calls: Mapping[int, Any] | None = None,
     estimate_bytes: int | None = None,
     torch_version: str | None = None,
+    sharded_state: str | None = None,
     at: SafeDir | None = None,
 ) -> Path:
     """Write a capture atomically (temp name, fsync, rename) and return its final path.
@@ -196,6 +201,8 @@ def write_capture(
         torch_version: recorded in the file; None = the running torch's. With it given, an
             :class:`EncodedTree` snapshot and :class:`EncodedStep` steps are written without
             importing torch.
+        sharded_state: the DCP checkpoint directory (a name in the run directory) holding the
+            snapshot's sharded leaves (FSDP2; see :mod:`sentineld.contracts.dcpstate`).
         at: ``path``'s directory, opened and checked by the caller (ring recovery); None opens it.
 
     Raises:
@@ -219,6 +226,8 @@ def write_capture(
             first_step=first_step, snapshot_step=snapshot_step, created_s=time.time(), message=message,
             torch_version=str(torch_module().__version__) if torch_version is None else torch_version,
         )
+        if sharded_state:
+            f.attrs["sharded_state"] = sharded_state
         crc = CrcPool()
         try:
             write_snapshot(f.create_group("snapshot"), snapshot, crc)
@@ -255,6 +264,7 @@ class Capture:
 
     Attributes:
         path, run_id, rank, trigger, first_step (N), snapshot_step (S), message, schema_version.
+        sharded_state: the DCP checkpoint directory of a sharded run's snapshot, else None.
     """
 
     def __init__(self, path: Path, h5: Any) -> None:
@@ -270,6 +280,7 @@ class Capture:
             self.snapshot_step = int(a["snapshot_step"])
             self.message = str(a.get("message", ""))
             self.created_s = float(a.get("created_s", 0.0))
+            self.sharded_state = str(a["sharded_state"]) if "sharded_state" in a else None
         except KeyError as exc:
             raise CaptureError(f"{path}: not a sentineld capture (missing attribute {exc}); "
                                "pass a capture-*.h5 written by sentineld.agent") from None

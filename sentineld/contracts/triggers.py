@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-__all__ = ["NONFINITE", "CRASH", "MANUAL", "REGRESS", "SPIKE", "TRIGGERS"]
+__all__ = ["NONFINITE", "CRASH", "MANUAL", "REGRESS", "SPIKE", "REPLICA_DIVERGENCE", "TRIGGERS"]
 
 #: A non-finite step (the agent's incident policy).
 NONFINITE = "nonfinite"
@@ -17,4 +17,7 @@ REGRESS = "regress"
 #: A finite loss spike (``loss_spike``, :mod:`sentineld.signatures.spike`): the replay explains it.
 SPIKE = "spike"
 
-TRIGGERS = (NONFINITE, CRASH, MANUAL, REGRESS, SPIKE)
+#: DDP replicas whose parameters differ after an optimizer step (``sentineld.agent.replicas``).
+REPLICA_DIVERGENCE = "replica_divergence"
+
+TRIGGERS = (NONFINITE, CRASH, MANUAL, REGRESS, SPIKE, REPLICA_DIVERGENCE)

@@ -137,6 +137,11 @@ class Report:
     samples: list[int] = field(default_factory=list)
     what_if: list[dict[str, Any]] = field(default_factory=list)
     reproducibility: dict[str, Any] | None = None
+    #: The run trained a ``torch.compile``'d model; the replay ran it eagerly (replay/compiled.py).
+    compiled: bool = False
+    #: For a compiled run: the eager replay made the run's non-finite value at the same step
+    #: (None for an eager run).
+    eager_reproduced: bool | None = None
     schema_version: int = REPORT_SCHEMA_VERSION
 
     def to_json(self) -> str:

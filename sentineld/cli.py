@@ -251,10 +251,10 @@ def runs(runs_dir: str | None, state_dir: str | None, as_json: bool) -> None:
                 err = None
             except RunDirError as exc:
                 meta, err = None, str(exc)
-            nonfinite = sum(1 for q in rw.records.values() for r in q if r.nonfinite)
-            rows.append({"run_id": meta.run_id if meta else d.name, "dir": str(d), "ranks": sorted(rw.tails),
-                         "last_step": max(rw.last_step.values(), default=None),
-                         "state": ",".join(sorted(set(rw.ended.values()))) or ("running" if rw.tails else "-"),
+            nonfinite = sum(1 for rk in rw.ranks.values() for r in rk.records if r.nonfinite)
+            rows.append({"run_id": meta.run_id if meta else d.name, "dir": str(d), "ranks": sorted(rw.ranks),
+                         "last_step": rw.last_step,
+                         "state": ",".join(sorted(set(rw.ended.values()))) or ("running" if rw.ranks else "-"),
                          "nonfinite_steps_in_window": nonfinite,
                          "captures": [p.name for *_x, p in list_captures(d)], "error": err or rw.error})
         except Exception as exc:  # noqa: BLE001 - whatever another process left there

@@ -196,6 +196,8 @@ class LiveLocalizer:
         from sentineld.replay.engine import replay_capture  # noqa: PLC0415
         from sentineld.replay.inmemory import LiveSpec  # noqa: PLC0415
 
+        if self.loss_fn is None:  # a forward-only run localizes with _forward_only
+            raise ValueError("a full in-process localization needs the run's loss_fn")
         with open_capture(path) as cap:
             carried = any(isinstance(r, dict) and r.get("grads_carried") for r in cap.records())
         s = self.settings
@@ -216,9 +218,9 @@ class LiveLocalizer:
         calls = [ForwardCall(s, a, k, dict(r) if (r := rngs.get(s)) else None)
                  for s, a, k in list(self.calls) if s in rngs]
         with isolated(self.num_threads) as flags:
-            r = localize_forward(model, snap.step, calls, step, flags["_rng"].set_state)
+            found = localize_forward(model, snap.step, calls, step, flags["_rng"].set_state)
         in_effect = {k: v for k, v in flags.items() if not k.startswith("_")}
-        return replace(r, evidence={**r.evidence, "torch_flags": in_effect})
+        return replace(found, evidence={**found.evidence, "torch_flags": in_effect})
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ from sentineld.contracts.triggers import NONFINITE
 from sentineld.contracts.verdict import Finding, Replayed
 
 from .ddp_step import DdpStep, ddp_recipe, loss_tolerance
-from .engine import ReplayError
+from .errors import ReplayError
 from .localize import localize
 from .rebuild import load_snapshot, run_step, same_loss, state_nonfinite
 

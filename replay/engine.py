@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sentineld.contracts.capture import CaptureError, first_rank_capture, open_capture
-from sentineld.contracts.errors import BadInput
 from sentineld.contracts.recipe import Recipe
 from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, read_run_meta
 from sentineld.contracts.triggers import NONFINITE
 from sentineld.contracts.verdict import Replayed, Report, make_report
 
+from .errors import ReplayError
 from .localize import localize
 from .rebuild import RebuildError, Rebuilt, load_snapshot, rebuild, torch_globals
 from .trust import RecipeError, UntrustedError, load_recipe_factory
@@ -35,10 +35,6 @@ from .trust import RecipeError, UntrustedError, load_recipe_factory
 __all__ = ["ReplayError", "replay_run", "replay_capture", "find_capture"]
 
 log = logging.getLogger("sentineld.replay")
-
-
-class ReplayError(BadInput):
-    """Bad input for a replay (no capture for the step, no recipe, a model that cannot be built)."""
 
 
 def find_capture(run_dir: Path, step: int | None, rank: int | None = None) -> Path:

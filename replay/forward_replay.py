@@ -21,7 +21,7 @@ from sentineld.contracts.rundir import RunMeta
 from sentineld.contracts.verdict import Replayed
 from sentineld.contracts.verdict_file import verdict_path
 
-from .engine import ReplayError
+from .errors import ReplayError
 from .forward_only import HOW_TO_ENABLE, ForwardCall, localize_forward
 from .rebuild import torch_globals
 from .trust import load_recipe_factory

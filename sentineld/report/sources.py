@@ -27,10 +27,6 @@ __all__ = ["read_records", "read_notifications", "read_verdict", "gather"]
 
 log = logging.getLogger("sentineld.report")
 
-#: Parameters (weights) and modules (activations) drawn as histograms, in model order.
-MAX_HISTS = 12
-
-
 def read_records(run_dir: Path, rank: int) -> tuple[list[StepRecord], int]:
     """Step records of rank ``rank``'s stream, and the count of lines skipped as damaged.
 
@@ -118,7 +114,7 @@ def capture_info(path: Path) -> tuple[dict[str, Any], list[d.Hist]]:
     for name, t in model.items():
         if hasattr(t, "is_floating_point") and t.is_floating_point() and t.numel() > 1:
             hists.append(d.hist(name, t.detach().float().numpy(), str(t.dtype).removeprefix("torch.")))
-        if len(hists) >= MAX_HISTS:
+        if len(hists) >= d.MAX_HISTS:
             break
     return info, hists
 

@@ -121,7 +121,7 @@ def replay_run(run_dir: str | Path, step: int | None = None, *, recipe: str | No
         raise
     except RebuildError as exc:
         raise ReplayError(f"the model cannot be rebuilt: {exc}") from None
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's model code, or h5py on a damaged file
+    except (Exception, SystemExit) as exc:  # the user's model code, or h5py on a damaged file
         raise ReplayError(f"re-executing the run's steps failed: {type(exc).__name__}: {exc}") from exc
 
 

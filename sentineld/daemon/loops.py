@@ -66,7 +66,7 @@ def guard(fn: Callable[[], None], stop: threading.Event) -> None:
         try:
             fn()
             return
-        except Exception:  # noqa: BLE001 - a bug in one loop must not end the watch
+        except Exception:  # a bug in one loop must not end the watch
             log.exception("daemon loop %s failed; restarting it in 1 s", getattr(fn, "__name__", fn))
             stop.wait(1.0)
 

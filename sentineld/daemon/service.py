@@ -218,7 +218,7 @@ class Daemon:
         shows it) and the loop goes on to the others."""
         try:
             self._process(run_dir)
-        except Exception as exc:  # noqa: BLE001 - a run dir another process wrote can hold anything
+        except Exception as exc:  # a run dir another process wrote can hold anything
             why = f"{type(exc).__name__}: {str(exc)[:300]}"
             state = self._state(run_dir)
             state.watch.error = f"cannot process this run: {why}"

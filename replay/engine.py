@@ -78,7 +78,7 @@ def _factory(meta: RunMeta, recipe_spec: str | None, trust: bool, named_by: list
     spec = recipe_spec or meta.recipe
     if not spec:
         raise ReplayError(f"run {meta.run_id} recorded no recipe; pass --recipe module:function "
-                          "(a function returning sentineld.contracts.recipe.Recipe)")
+                          "(a function returning sentineld.recipe.Recipe)")
     fn = load_recipe_factory(spec, meta.cwd, trust=trust, named_by=named_by)
     return lambda: _build(fn, spec, meta.recipe_args)
 
@@ -92,7 +92,7 @@ def _build(factory: Callable[..., Any], spec: str, args: dict[str, Any]) -> Reci
         raise ReplayError(f"recipe {spec} raised while building the model: "
                           f"{type(exc).__name__}: {exc}") from None
     if not isinstance(recipe, Recipe):
-        raise ReplayError(f"recipe {spec} returned {type(recipe).__name__}, not sentineld.contracts.recipe.Recipe")
+        raise ReplayError(f"recipe {spec} returned {type(recipe).__name__}, not sentineld.recipe.Recipe")
     return recipe
 
 

@@ -34,7 +34,7 @@ NOT_CHECKED = ["loss", "backward", "optimizer step"]
 #: How to get the full verdict.
 HOW_TO_ENABLE = ("pass loss_fn=lambda model, batch: <loss> to sentineld.agent.attach (the "
                  "training process then replays loss, backward and optimizer step), or "
-                 "recipe='module:function' (see sentineld.contracts.recipe)")
+                 "recipe='module:function' (see sentineld.recipe)")
 
 
 @dataclass

@@ -59,7 +59,7 @@ def replay_forward_only(meta: RunMeta, cap_path: Path, trust: bool, named_by: li
         if not calls_rec:
             verdict = verdict_path(cap_path)
             raise ReplayError(f"run {meta.run_id} recorded no recipe; pass --recipe module:function "
-                              "(a function returning sentineld.contracts.recipe.Recipe)"
+                              "(a function returning sentineld.recipe.Recipe)"
                               + (f"; the training process's own verdict is in {verdict}" if verdict.exists() else ""))
         model = _model(meta, trust, named_by)
         snap = cap.snapshot()

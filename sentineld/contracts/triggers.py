@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-__all__ = ["NONFINITE", "CRASH", "MANUAL", "REGRESS", "TRIGGERS"]
+__all__ = ["NONFINITE", "CRASH", "MANUAL", "REGRESS"]
 
 #: A non-finite step (the agent's incident policy).
 NONFINITE = "nonfinite"
@@ -13,5 +13,3 @@ CRASH = "crash"
 MANUAL = "manual"
 #: A regression fixture trimmed from a capture by ``sentineld regress`` (outside any run dir).
 REGRESS = "regress"
-
-TRIGGERS = (NONFINITE, CRASH, MANUAL, REGRESS)

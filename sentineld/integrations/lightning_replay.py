@@ -130,7 +130,7 @@ def recipe_from_run(*, module_class: dict[str, Any], lightning: str = "lightning
         raise ValueError(hparams_error)
     if not automatic_optimization:
         raise ValueError("the module uses manual optimization; the replay cannot know its steps. "
-                         "Pass recipe= to SentineldCallback (see sentineld.contracts.recipe)")
+                         "Pass recipe= to SentineldCallback (see sentineld.recipe)")
     if gradient_clip_val and gradient_clip_algorithm != "norm":
         raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not replayed "
                          "(only 'norm'); pass a recipe")

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from sentineld.contracts.records import record_to_json
+from sentineld.contracts.records import AGENT_WARNING, AgentNotice, record_to_json
 from sentineld.contracts.snapshot import state_of
 from sentineld.contracts.stream import StreamWriter
 from sentineld.contracts.triggers import NONFINITE
@@ -145,7 +145,7 @@ class StepRecorder:
         if layers:
             self.latest.layers = dict(layers)
         elif probes is not None and probes.failure is not None:  # once: say it where the daemon reads
-            self.stream.put({"kind": "agent_warning", "step": n, "message": probes.failure}, urgent=True)
+            self.stream.put(AgentNotice(AGENT_WARNING, probes.failure, n).to_json(), urgent=True)
             self.probes = None
         fields = {"step": n, "step_s": step_s, "time_s": self.wall(), "optimizer_skipped": skipped,
                   "layers": layers or None, "param_nonfinite": params_nonfinite(layers),
@@ -169,7 +169,7 @@ class StepRecorder:
                 self._batch_warned = True
                 msg = f"batch not kept (the step is recorded without it): {type(exc).__name__}: {str(exc)[:200]}"
                 log.warning("sentineld: %s", msg)
-                self.stream.put({"kind": "agent_warning", "step": self.n, "message": msg}, urgent=True)
+                self.stream.put(AgentNotice(AGENT_WARNING, msg, self.n).to_json(), urgent=True)
             return None, None, 0
 
     def _duplicate(self, loss: torch.Tensor | float) -> bool:
@@ -185,7 +185,7 @@ class StepRecorder:
             msg = ("watch.step called again for the same step (same loss, no forward or optimizer step "
                    "since); the extra calls are ignored: call it once per optimizer step")
             log.warning("sentineld: %s", msg)
-            self.stream.put({"kind": "agent_warning", "step": self.n - 1, "message": msg}, urgent=True)
+            self.stream.put(AgentNotice(AGENT_WARNING, msg, self.n - 1).to_json(), urgent=True)
         return True
 
     def _after(self, entry: RingEntry, event: Any, forward_seen: bool) -> None:
@@ -280,8 +280,8 @@ class StepRecorder:
         if span is None:
             log.warning("sentineld: step %d is not in the ring buffer (window %d); no capture",
                         step, self.config.window)
-            self.stream.put({"kind": "agent_warning", "step": step,
-                             "message": "no clean snapshot in the ring; capture skipped"}, urgent=True)
+            why = "no clean snapshot in the ring; capture skipped"
+            self.stream.put(AgentNotice(AGENT_WARNING, why, step).to_json(), urgent=True)
             return
         snap, entries = span
         self.writer.start(trigger, step, snap, entries, message)

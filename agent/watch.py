@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 import torch
 
+from sentineld.contracts.records import AGENT_ERROR, AgentNotice, EndLine
 from sentineld.contracts.rundir import RunDir, default_runs_dir
 from sentineld.contracts.triggers import CRASH, MANUAL
 
@@ -291,7 +292,7 @@ class Watch:
         self.latest.enabled = False
         log.error("sentineld: agent disabled after an internal error (training continues): %r", exc)
         try:
-            self.stream.put({"kind": "agent_error", "message": repr(exc)}, urgent=True)
+            self.stream.put(AgentNotice(AGENT_ERROR, repr(exc)).to_json(), urgent=True)
         except Exception:  # noqa: BLE001
             pass
         # Hooks are not removed here: this may run inside Optimizer.step's loop over its hooks,
@@ -342,7 +343,7 @@ class Watch:
             rec.disk.close(remove=reason == "finished" or self._writer.crash_captured,
                            timeout_s=max(0.0, deadline - time.monotonic()))
             rec.disk = None
-        self.stream.put({"kind": "end", "reason": reason, "steps": rec.n, "time_s": rec.wall()})
+        self.stream.put(EndLine(reason, rec.n, rec.wall()).to_json())
         self.stream.close()
         if self._server is not None:
             self._server.shutdown()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from sentineld.contracts.capture import CaptureError, open_capture
+from sentineld.contracts.records import AGENT_ERROR
 from sentineld.contracts.render import replay_command
 from sentineld.contracts.rundir import parse_capture_name
 from sentineld.contracts.triggers import CRASH
@@ -118,7 +119,7 @@ class Notifier:
                 continue
             nid = notification_id(rw.incident_scope, kind, rank, step, message[:200])
             self.enqueue(Notification(id=nid, kind="alert", title=text[0], body=text[1], severity="warning",
-                                      run=rw.run_id, signature="agent_stopped" if kind == "agent_error"
+                                      run=rw.run_id, signature="agent_stopped" if kind == AGENT_ERROR
                                       else "capture_failed", step=step if step >= 0 else None,
                                       data={"rank": rank, "message": message}))
 

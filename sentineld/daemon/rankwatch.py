@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from sentineld.contracts.nonfinite import is_nonfinite
-from sentineld.contracts.records import StepRecord, record_from_json
+from sentineld.contracts.records import AGENT_NOTICES, END, START, STEP, StepRecord, record_from_json
 from sentineld.contracts.stream import CHUNK_BYTES, StreamTail, read_lines
 
 __all__ = ["RankWatch", "AgentNote", "as_int"]
@@ -117,7 +117,7 @@ class RankWatch:
                 self.tail.bad_lines += 1
                 continue
             kind = obj.get("kind")
-            if kind == "step":
+            if kind == STEP:
                 rec = _parse_record(obj)
                 if rec is None:
                     self.tail.bad_lines += 1
@@ -131,13 +131,13 @@ class RankWatch:
                     self._last_bad = bad
                     if bad and not was_bad and max_records is not None:
                         break
-            elif kind == "start":
+            elif kind == START:
                 self.pid = as_int(obj.get("pid"))
                 self.host = str(obj.get("host", ""))[:255]
                 self.ended = None
-            elif kind == "end":
+            elif kind == END:
                 self.ended = str(obj.get("reason", "finished"))[:100]
-            elif kind in ("agent_error", "agent_warning"):
+            elif kind in AGENT_NOTICES:
                 notes.append(AgentNote(str(kind), as_int(obj.get("step"), -1), str(obj.get("message", ""))[:2000],
                                        fresh))
         return new, notes

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sentineld.contracts.capture import CaptureError, open_capture
-from sentineld.contracts.records import StepRecord, record_from_json
+from sentineld.contracts.records import STEP, StepRecord, record_from_json
 from sentineld.contracts.rundir import list_captures, read_run_meta, stream_path
 from sentineld.contracts.stream import StreamTail
 from sentineld.daemon import outbox
@@ -38,7 +38,7 @@ def read_records(run_dir: Path, rank: int) -> tuple[list[StepRecord], int]:
     bad = 0
     while True:
         for obj in tail.read():
-            if obj.get("kind") != "step":
+            if obj.get("kind") != STEP:
                 continue
             try:
                 out.append(record_from_json(obj))

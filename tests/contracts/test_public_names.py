@@ -23,3 +23,17 @@ def test_a_tree_codec_error_is_bad_input():
     assert issubclass(TreeCodecError, BadInput) and issubclass(TreeCodecError, SentineldError)
     assert issubclass(TreeCodecError, ValueError)  # callers that catch ValueError still do
     assert TreeCodecError("x").exit_code == 2
+
+
+def test_stream_lines_are_typed_with_their_kind():
+    import pytest
+
+    from sentineld.contracts.records import AGENT_WARNING, AgentNotice, EndLine, StartLine
+
+    assert StartLine("r", 0, 12, "h", 1.5).to_json() == {"kind": "start", "run_id": "r", "rank": 0, "pid": 12,
+                                                         "host": "h", "time_s": 1.5}
+    assert EndLine("finished", 3, 2.0).to_json() == {"kind": "end", "reason": "finished", "steps": 3, "time_s": 2.0}
+    assert AgentNotice(AGENT_WARNING, "m").to_json() == {"kind": "agent_warning", "message": "m"}
+    assert AgentNotice(AGENT_WARNING, "m", 4).to_json()["step"] == 4
+    with pytest.raises(ValueError, match="agent notice"):
+        AgentNotice("agent_chat", "m")

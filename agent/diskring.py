@@ -5,7 +5,6 @@ the training takes them (format: :mod:`sentineld.contracts.ringformat`; recovery
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import queue
@@ -20,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from sentineld.contracts.h5write import disk_full_error
-from sentineld.contracts.ringformat import Packer, snap_file, step_file, write_ring_file
+from sentineld.contracts.ringformat import Packer, snap_file, step_file, write_ring_file, write_ring_meta
 from sentineld.contracts.rundir import RunDir
 
 __all__ = ["DiskRingWriter"]
@@ -63,9 +62,7 @@ class DiskRingWriter:
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         info = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "window": window,
                 **(meta or {})}
-        fd = os.open(init / "meta.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(info, f)
+        write_ring_meta(init, info)
         os.rename(init, d)
         self.dir = d
         self.window = window

@@ -111,6 +111,38 @@ class StepRecorder:
         if self.probes is not None:
             self.probes.begin_step(self.n)
 
+    def first_gradient(self, carried: bool | None) -> bool:
+        """The step's first gradient arrived; ``carried``: whether the gradients held values from
+        before the step (no ``zero_grad``), None when that cannot be told without a host sync.
+        Returns False when this step's first gradient was seen already (nothing recorded)."""
+        if self.probe_checked:
+            return False
+        self.probe_checked = True
+        self.grads_carried = carried
+        return True
+
+    def number_from(self, step: int) -> None:
+        """Number the next recorded step ``step`` (a framework's global step); the initial
+        snapshot is dropped, to be taken again under that number (:meth:`initial_snapshot`).
+
+        Raises:
+            ValueError: a step already started or a snapshot or record was numbered.
+        """
+        if self.step_started or self.ring.entries:
+            raise ValueError("start_at() must be called before the first step starts")
+        self.n = int(step)
+        self.ring.snapshots.clear()
+
+    def drop_probes(self) -> None:
+        """The per-layer probes were removed (the watch closes): no more samples."""
+        self.probes = None
+
+    def close_disk(self, remove: bool, timeout_s: float) -> None:
+        """Close the on-disk ring (deleted when ``remove``); waits at most ``timeout_s`` seconds."""
+        if self.disk is not None:
+            self.disk.close(remove=remove, timeout_s=timeout_s)
+            self.disk = None
+
     def grads_ready(self) -> None:
         """The gradients are complete: take the global grad norm (on device, no sync)."""
         self._gnorm = grad_norm(self.optimizer)

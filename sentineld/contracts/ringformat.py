@@ -46,11 +46,31 @@ from sentineld.contracts.treecodec import encode
 
 __all__ = ["SNAP_FILE", "STEP_FILE", "MAGIC", "Packer", "write_ring_file",
            "read_ring_file", "close_mapping", "ring_array", "ring_tree", "ring_rng", "ring_state", "snap_file",
-           "step_file"]
+           "step_file", "META_FILE", "write_ring_meta", "read_ring_meta"]
 
 SNAP_FILE = re.compile(r"^snap-(\d+)\.ring$")
 STEP_FILE = re.compile(r"^step-(\d+)\.ring$")
 MAGIC = b"SNTLRING1\n"
+#: The ring's description: run_id, rank, pid, host, torch_version, window.
+META_FILE = "meta.json"
+
+
+def write_ring_meta(ring_dir: Path, info: dict[str, Any]) -> None:
+    """Write ``meta.json`` (0600) into a ring directory being built (under its hidden name:
+    the directory's rename makes the ring and its meta appear together)."""
+    fd = os.open(ring_dir / META_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(info, f)
+
+
+def read_ring_meta(ring_dir: Path) -> dict[str, Any]:
+    """The ring's ``meta.json``; ``{}`` when it is missing, unreadable or not an object (a ring of
+    a process killed while building it: the caller falls back to what the directory name says)."""
+    try:
+        meta = json.loads((ring_dir / META_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def snap_file(step: int) -> str:

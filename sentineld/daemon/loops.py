@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from sentineld.contracts.ringformat import ring_state
+from sentineld.contracts.ringformat import read_ring_meta, ring_state
 from sentineld.contracts.rundir import RunMeta
 from sentineld.daemon.am_incident import no_recipe_outcome, verdict_may_come
 from sentineld.daemon.daemon_config import DaemonConfig
@@ -215,10 +214,7 @@ class RecoverThread(LoopThread):
             key = str(d)
             if now < self.retry_at.get(key, 0.0) or ring_state(d) != "dead":
                 continue
-            try:
-                host = json.loads((d / "meta.json").read_text()).get("host")
-            except (OSError, ValueError, AttributeError):
-                host = None
+            host = read_ring_meta(d).get("host")
             self.retry_at[key] = float("inf")
             if host and host != socket.gethostname():
                 continue  # the daemon on its own host recovers it (flock is host-local)

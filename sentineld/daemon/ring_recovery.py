@@ -9,7 +9,6 @@ Format: :mod:`sentineld.contracts.ringformat`.
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import shutil
@@ -23,6 +22,7 @@ from sentineld.contracts.ringformat import (
     STEP_FILE,
     close_mapping,
     read_ring_file,
+    read_ring_meta,
     ring_rng,
     ring_state,
     ring_tree,
@@ -82,11 +82,7 @@ def recover_ring(ring_dir: Path, who: str = "sentineld") -> Path | None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             return None  # alive, or another recovery runs
-        try:
-            meta = json.loads((ring_dir / "meta.json").read_text())
-            meta = meta if isinstance(meta, dict) else {}
-        except (OSError, ValueError):
-            meta = {}
+        meta = read_ring_meta(ring_dir)
         try:
             rank = int(meta.get("rank", m.group(1) if m else 0))  # type: ignore[arg-type]
         except (TypeError, ValueError):

@@ -5,6 +5,7 @@ the training takes them (format: :mod:`sentineld.contracts.ringformat`; recovery
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import queue
@@ -19,8 +20,9 @@ from typing import Any, Callable
 import numpy as np
 
 from sentineld.contracts.h5write import disk_full_error
-from sentineld.contracts.ringformat import Packer, snap_file, step_file, write_ring_file, write_ring_meta
+from sentineld.contracts.ringformat import Packer, snap_file, step_file, write_ring_file
 from sentineld.contracts.rundir import RunDir
+from sentineld.contracts.safeio import write_atomic
 
 __all__ = ["DiskRingWriter"]
 
@@ -62,7 +64,7 @@ class DiskRingWriter:
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         info = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "window": window,
                 **(meta or {})}
-        write_ring_meta(init, info)
+        write_atomic(init / "meta.json", json.dumps(info), durable=False)
         os.rename(init, d)
         self.dir = d
         self.window = window

@@ -78,9 +78,10 @@ class Alerting:
         """Evaluate the signatures over the run's windows and carry out the policy's decision;
         ``live`` is False while catching up on old records (then ``stalled`` is not judged
         against the current time)."""
-        from sentineld.signatures import evaluate  # noqa: PLC0415
+        from sentineld.signatures import evaluate, run_signature_config, unresolved  # noqa: PLC0415
 
         rw = state.watch
+        sig_config = run_signature_config(self.sig_config, rw.meta.extra if rw.meta else None)
         now = self.clock()
         state.last_eval_s = now
         per_rank = {}
@@ -88,11 +89,13 @@ class Alerting:
             if not rk.records:
                 continue
             now_s = None if (rk.ended is not None or not live) else now
-            per_rank[rank] = evaluate(list(rk.records), self.sig_config, now_s=now_s,
+            per_rank[rank] = evaluate(list(rk.records), sig_config, now_s=now_s,
                                       num_classes=rw.meta.num_classes if rw.meta else None)
         if not per_rank:
             return
-        d = decide(rw.active, per_rank, now_s=now, last_alert_s=rw.last_alert_s, held=list(state.held),
+        holding = unresolved(rw.active, {r: list(rk.records) for r, rk in rw.ranks.items() if rk.records},  # issue 21
+                             sig_config, rw.meta.num_classes if rw.meta else None) if rw.active else set()
+        d = decide(rw.active, per_rank, now_s=now, last_alert_s=rw.last_alert_s, holding=holding, held=list(state.held),
                    multi_rank=rw.meta is not None and rw.meta.world_size > 1,
                    alert_interval_s=self.cfg.alert_interval_s, rank_grace_s=RANK_GRACE_S,
                    ended=rw.all_ended, min_firing_s=MIN_FIRING_S)

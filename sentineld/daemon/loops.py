@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from sentineld.contracts.ringformat import read_ring_meta, ring_state
+from sentineld.contracts.ringformat import ring_state
 from sentineld.contracts.rundir import RunMeta
+from sentineld.contracts.safeio import read_json
 from sentineld.daemon.am_incident import no_recipe_outcome, verdict_may_come
 from sentineld.daemon.daemon_config import DaemonConfig
 from sentineld.daemon.delivery import SecretFilter, deliver_due
@@ -31,8 +32,9 @@ from sentineld.daemon.inprocess import InProcessVerdicts
 from sentineld.daemon.metrics import DaemonMetrics
 from sentineld.daemon.notifier import Notifier
 from sentineld.daemon.outbox import notification_id
+from sentineld.daemon.replay_queue import FairQueue
 from sentineld.daemon.replay_runner import ReplayOutcome, run_replay_subprocess
-from sentineld.daemon.ring_recovery import recover_ring
+from sentineld.daemon.ring_recovery import MAX_RING_META_BYTES, recover_ring
 from sentineld.daemon.runwatch import RunWatch
 from sentineld.daemon.statedir import write_json_atomic
 from sentineld.daemon.watcher import DirtyRuns
@@ -126,7 +128,8 @@ class ReplayThread(LoopThread):
         super().__init__("replay", stop)
         self.cfg, self.scratch = cfg, records_dir
         self.notifier, self.stats, self.metrics = notifier, stats, metrics
-        self.jobs: queue.Queue[tuple[RunWatch, Path]] = queue.Queue()
+        # round robin over runs: a run flooding captures delays another by one replay (replay_queue)
+        self.jobs: FairQueue[tuple[RunWatch, Path]] = FairQueue()
         # Captures queued or running; one cut short by the daemon's own shutdown leaves it, to
         # run again after a restart.
         self.queued: set[str] = set()
@@ -142,7 +145,7 @@ class ReplayThread(LoopThread):
             key = f"{rw.incident_scope}|{cap}"  # a new run reusing the path replays its own captures
             if key not in self.queued and cap.exists() and not self.record_of(rw, cap).exists():
                 self.queued.add(key)
-                self.jobs.put((rw, cap))
+                self.jobs.put(str(rw.run_dir), (rw, cap))
 
     def loop(self) -> None:
         while self.should_keep_running():
@@ -189,7 +192,7 @@ class ReplayThread(LoopThread):
         decision, outcome = self.in_process.decide(meta, cap)
         if decision == "wait":
             time.sleep(0.05)
-            self.jobs.put((rw, cap))
+            self.jobs.put(str(rw.run_dir), (rw, cap))
             return True
         if outcome is not None:
             self.finish(rw, cap, outcome, record)
@@ -214,7 +217,11 @@ class RecoverThread(LoopThread):
             key = str(d)
             if now < self.retry_at.get(key, 0.0) or ring_state(d) != "dead":
                 continue
-            host = read_ring_meta(d).get("host")
+            try:
+                # the safe reader: a FIFO named meta.json must not block the main loop
+                host = read_json(d / "meta.json", MAX_RING_META_BYTES).get("host")
+            except (OSError, ValueError, AttributeError):
+                host = None
             self.retry_at[key] = float("inf")
             if host and host != socket.gethostname():
                 continue  # the daemon on its own host recovers it (flock is host-local)

@@ -39,7 +39,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-from sentineld.contracts.rundir import make_private_dir
+from sentineld.contracts.rundir import RunDirError, make_private_dir, runs_dir_problem
 from sentineld.daemon.alerting import Alerting
 from sentineld.daemon.am_active import daemon_alerts
 from sentineld.daemon.daemon_config import DaemonConfig
@@ -53,6 +53,7 @@ from sentineld.daemon.runwatch import RunWatch, remove_stale_temps
 from sentineld.daemon.statedir import (
     AM_EXTRAS,
     destination_secret,
+    private_state_dir,
     take_lock,
     write_pidfile,
     write_status,
@@ -88,7 +89,7 @@ class Daemon:
         self.clock = clock
         self.stop_event = threading.Event()
         self.dirty = DirtyRuns(config.runs_dir)
-        self.state_dir = make_private_dir(config.state_dir)
+        self.state_dir = private_state_dir(config.state_dir)  # ours, writable by no one else
         self.progress = ProgressStore(make_private_dir(self.state_dir / "progress"))
         self.replays_dir = make_private_dir(self.state_dir / "replays")
         self.runs: dict[str, RunState] = {}
@@ -145,7 +146,9 @@ class Daemon:
         if install_signals and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.stop)
             signal.signal(signal.SIGINT, self.stop)
-        make_private_dir(self.cfg.runs_dir)
+        make_private_dir(self.cfg.runs_dir)  # 0700 if we create it; an existing one keeps its mode
+        if (problem := runs_dir_problem(self.cfg.runs_dir)) is not None:
+            raise RunDirError(problem)  # a shared dir we cannot trust: refused, saying what to do
         server, self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_addr)
         if server is not None:
             stack.callback(server.server_close)
@@ -286,6 +289,7 @@ class Daemon:
         status = {"pid": os.getpid(), "host": socket.gethostname(), "started_s": self.started_s,
                   "updated_s": self.clock(), "runs_dir": str(self.cfg.runs_dir), "metrics_port": self.metrics_port,
                   "runs_watched": len(self.runs), **asdict(self.stats), **n.status(),
+                  "verdicts_ignored": self._replayer.in_process.ignored.count,  # not from their run
                   "runs": [s.watch.status() for s in self.runs.values()]}
         self.metrics.watching(s.watch.run_id for s in self.runs.values())
         try:

@@ -21,9 +21,12 @@ system-deps:
 demo: setup
 	.venv/bin/sentineld demo --fault $(FAULT)
 
+# mypy twice: the folders as configured (fast, what editors run), then the installed package
+# (agent/ as sentineld.agent, replay/ as sentineld.replay), which sees the imports across them.
 lint: setup
 	.venv/bin/python -m ruff check
 	.venv/bin/python -m mypy
+	.venv/bin/python scripts/typecheck.py
 
 test: setup system-deps lint
 	.venv/bin/python -m pytest -q -p no:cacheprovider tests

@@ -21,7 +21,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: A
         run_id: name of the run (default ``$SENTINELD_RUN_ID``, ``$TORCHELASTIC_RUN_ID``, or
             time-host-pid). All ranks of one job must share it.
         runs_dir: parent of run directories (default ``$SENTINELD_RUNS_DIR`` or the user state dir).
-        recipe: ``"module:function"`` returning a :class:`sentineld.contracts.recipe.Recipe`; lets the
+        recipe: ``"module:function"`` returning a :class:`sentineld.recipe.Recipe`; lets the
             replay rebuild model and loss from the run's working directory.
         recipe_args: JSON-ready keyword arguments for the recipe function (stored in run.json).
         scheduler, scaler: the LR scheduler and GradScaler, so snapshots include their state.

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from sentineld.contracts.capture import CaptureStep, write_capture
+from sentineld.contracts.records import AGENT_WARNING, AgentNotice
 from sentineld.contracts.rundir import RunDir
 from sentineld.contracts.stream import StreamWriter
 from sentineld.contracts.triggers import CRASH
@@ -77,8 +78,7 @@ class CaptureWriter:
                 message=message, forward_calls=self.localizer.calls_for(entries) if self.localizer else None)
         except Exception as exc:  # noqa: BLE001 - disk full etc.: training goes on
             log.warning("sentineld: capture %s not written: %s (training continues)", path.name, exc)
-            self.stream.put({"kind": "agent_warning", "step": step,
-                             "message": f"capture not written: {exc}"}, urgent=True)
+            self.stream.put(AgentNotice(AGENT_WARNING, f"capture not written: {exc}", step).to_json(), urgent=True)
             return
         self.captures.append(path)
         self.crash_captured |= trigger == CRASH

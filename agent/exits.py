@@ -10,12 +10,11 @@ import signal
 import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .watch import Watch
+from .agent_config import AgentConfig
 
-__all__ = ["EXITS", "SIGTERM_CAPTURE_TIMEOUT_S"]
+__all__ = ["EXITS", "SIGTERM_CAPTURE_TIMEOUT_S", "Closable"]
 
 log = logging.getLogger("sentineld.agent")
 
@@ -25,8 +24,19 @@ log = logging.getLogger("sentineld.agent")
 SIGTERM_CAPTURE_TIMEOUT_S = 20.0
 
 
+class Closable(Protocol):
+    """What the exit paths need of a watch (:class:`~sentineld.agent.watch.Watch`): its config,
+    and the two ways to end it."""
+
+    config: AgentConfig
+
+    def _crash(self, message: str, reason: str, timeout_s: float = ...) -> None: ...
+
+    def close(self, reason: str = ..., timeout_s: float = ...) -> None: ...
+
+
 class _ExitPaths:
-    """Process-wide hooks shared by every open :class:`Watch`: the ways a process ends without
+    """Process-wide hooks shared by every open watch (:class:`Closable`): the ways a process ends without
     ``close()`` (an uncaught exception, SIGTERM, interpreter exit) write the crash capture first.
 
     - ``sys.excepthook``: a ``crash`` capture naming the exception (not for KeyboardInterrupt),
@@ -42,14 +52,14 @@ class _ExitPaths:
     """
 
     def __init__(self) -> None:
-        self.watches: weakref.WeakSet["Watch"] = weakref.WeakSet()
+        self.watches: weakref.WeakSet[Closable] = weakref.WeakSet()
         self.prev_hook: Any = None
         self.prev_term: Any = None
         self.term_installed = False
         self.atexit_registered = False
         self.terminating = False
 
-    def register(self, w: "Watch") -> None:
+    def register(self, w: Closable) -> None:
         self.watches.add(w)
         if not self.atexit_registered:
             atexit.register(self._at_exit)
@@ -66,7 +76,7 @@ class _ExitPaths:
             except (ValueError, OSError) as exc:  # not the main interpreter, or no signals here
                 log.debug("sentineld: no SIGTERM handler: %s", exc)
 
-    def unregister(self, w: "Watch") -> None:
+    def unregister(self, w: Closable) -> None:
         self.watches.discard(w)
         if len(self.watches):
             return

@@ -41,11 +41,13 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
+from sentineld.contracts.verdict import Replayed, make_report
 from sentineld.contracts.verdict_file import LOCALIZE_MODES, LOCALIZED_TRIGGERS, write_verdict
 
 from .ring import HostCopies, RingEntry, Snapshot
@@ -175,16 +177,10 @@ class LiveLocalizer:
         t0 = time.perf_counter()
         try:
             with self._one_at_a_time:  # at most one second copy at a time (incident + crash captures)
-                if self.forward_only:
-                    report = self._forward_only(snap, entries, step)
-                else:
-                    report = self._full(path, snap)
-            report.run_id = self.run_id
-            report.capture = str(path)
-            ev = report.evidence
-            ev["in_process"] = {"mode": "thread", "memory_bytes": self.memory_bytes,
-                                "wall_s": round(time.perf_counter() - t0, 4)}
-            report.elapsed_s = round(time.perf_counter() - t0, 4)
+                replayed = self._forward_only(snap, entries, step) if self.forward_only else self._full(path, snap)
+            wall_s = round(time.perf_counter() - t0, 4)
+            report = make_report(replace(replayed, capture=str(path)), self.run_id, elapsed_s=wall_s, evidence={
+                "in_process": {"mode": "thread", "memory_bytes": self.memory_bytes, "wall_s": wall_s}})
             self.verdicts.append(write_verdict(path, report.to_json()))
         except Exception as exc:  # noqa: BLE001 - training must go on; the daemon falls back
             log.warning("sentineld: in-process localization of %s failed: %r", path.name, exc)
@@ -195,11 +191,13 @@ class LiveLocalizer:
                 log.warning("sentineld: verdict for %s not written: %s", path.name, err)
         self.last_s = time.perf_counter() - t0
 
-    def _full(self, path: Path, snap: Snapshot) -> Any:
+    def _full(self, path: Path, snap: Snapshot) -> Replayed:
         from sentineld.contracts.capture import open_capture  # noqa: PLC0415
         from sentineld.replay.engine import replay_capture  # noqa: PLC0415
         from sentineld.replay.inmemory import LiveSpec  # noqa: PLC0415
 
+        if self.loss_fn is None:  # a forward-only run localizes with _forward_only
+            raise ValueError("a full in-process localization needs the run's loss_fn")
         with open_capture(path) as cap:
             carried = any(isinstance(r, dict) and r.get("grads_carried") for r in cap.records())
         s = self.settings
@@ -209,7 +207,7 @@ class LiveLocalizer:
                         zero_grad=not carried, autocast_dtype=self.autocast, modes=self.modes.get(snap.step))
         return replay_capture(path, lambda: spec.make, None, lambda: isolated(self.num_threads))
 
-    def _forward_only(self, snap: Snapshot, entries: list[RingEntry], step: int) -> Any:
+    def _forward_only(self, snap: Snapshot, entries: list[RingEntry], step: int) -> Replayed:
         from sentineld.replay.forward_only import ForwardCall, localize_forward  # noqa: PLC0415
         from sentineld.replay.inmemory import copy_module  # noqa: PLC0415
 
@@ -220,9 +218,9 @@ class LiveLocalizer:
         calls = [ForwardCall(s, a, k, dict(r) if (r := rngs.get(s)) else None)
                  for s, a, k in list(self.calls) if s in rngs]
         with isolated(self.num_threads) as flags:
-            report = localize_forward(model, snap.step, calls, step, flags["_rng"].set_state)
-        report.evidence["torch_flags"] = {k: v for k, v in flags.items() if not k.startswith("_")}
-        return report
+            found = localize_forward(model, snap.step, calls, step, flags["_rng"].set_state)
+        in_effect = {k: v for k, v in flags.items() if not k.startswith("_")}
+        return replace(found, evidence={**found.evidence, "torch_flags": in_effect})
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from sentineld.contracts.records import record_to_json
+from sentineld.contracts.records import AGENT_WARNING, AgentNotice, record_to_json
 from sentineld.contracts.snapshot import state_of
 from sentineld.contracts.stream import StreamWriter
 from sentineld.contracts.triggers import NONFINITE, REPLICA_DIVERGENCE, SPIKE
@@ -122,6 +122,37 @@ class StepRecorder:
         if self.probes is not None:
             self.probes.begin_step(self.n)
 
+    def first_gradient(self, carried: bool | None) -> bool:
+        """The step's first gradient arrived; ``carried``: whether the gradients held values from
+        before the step (no ``zero_grad``), None when that cannot be told without a host sync.
+        Returns False when this step's first gradient was seen already (nothing recorded)."""
+        if self.probe_checked:
+            return False
+        self.probe_checked = True
+        self.grads_carried = carried
+        return True
+
+    def number_from(self, step: int) -> None:
+        """Number the next recorded step ``step`` (a framework's global step); the initial
+        snapshot is dropped, to be taken again under that number (:meth:`initial_snapshot`).
+
+        Raises:
+            ValueError: a step already started or a snapshot or record was numbered.
+        """
+        if self.step_started or self.ring.entries:
+            raise ValueError("start_at() must be called before the first step starts")
+        self.n = int(step)
+        self.ring.snapshots.clear()
+
+    def drop_probes(self) -> None:
+        """The per-layer probes were removed (the watch closes): no more samples."""
+        self.probes = None
+
+    def close_disk(self, remove: bool, timeout_s: float) -> None:
+        """Close the on-disk ring (deleted when ``remove``); waits at most ``timeout_s`` seconds."""
+        if self.disk is not None:
+            self.disk.close(remove=remove, timeout_s=timeout_s)
+            self.disk = None
     def backward_done(self) -> None:
         """A backward finished (the loop clips, ``clip_grad_norm=``): take the global grad norm
         now, before the loop clips it; unscaled by the GradScaler's scale on device (no sync).
@@ -181,7 +212,7 @@ class StepRecorder:
         if layers:
             self.latest.layers = dict(layers)
         elif probes is not None and probes.failure is not None:  # once: say it where the daemon reads
-            self.stream.put({"kind": "agent_warning", "step": n, "message": probes.failure}, urgent=True)
+            self.stream.put(AgentNotice(AGENT_WARNING, probes.failure, n).to_json(), urgent=True)
             self.probes = None
         fields = {"step": n, "step_s": step_s, "time_s": self.wall(), "optimizer_skipped": skipped,
                   "layers": layers or None, "param_nonfinite": params_nonfinite(layers),
@@ -209,7 +240,7 @@ class StepRecorder:
                 self._batch_warned = True
                 msg = f"batch not kept (the step is recorded without it): {type(exc).__name__}: {str(exc)[:200]}"
                 log.warning("sentineld: %s", msg)
-                self.stream.put({"kind": "agent_warning", "step": self.n, "message": msg}, urgent=True)
+                self.stream.put(AgentNotice(AGENT_WARNING, msg, self.n).to_json(), urgent=True)
             return None, None, 0
 
     def _duplicate(self, loss: torch.Tensor | float) -> bool:
@@ -225,7 +256,7 @@ class StepRecorder:
             msg = ("watch.step called again for the same step (same loss, no forward or optimizer step "
                    "since); the extra calls are ignored: call it once per optimizer step")
             log.warning("sentineld: %s", msg)
-            self.stream.put({"kind": "agent_warning", "step": self.n - 1, "message": msg}, urgent=True)
+            self.stream.put(AgentNotice(AGENT_WARNING, msg, self.n - 1).to_json(), urgent=True)
         return True
 
     def _after(self, entry: RingEntry, event: Any, forward_seen: bool) -> None:
@@ -329,8 +360,8 @@ class StepRecorder:
         if span is None:
             log.warning("sentineld: step %d is not in the ring buffer (window %d); no capture",
                         step, self.config.window)
-            self.stream.put({"kind": "agent_warning", "step": step,
-                             "message": "no clean snapshot in the ring; capture skipped"}, urgent=True)
+            why = "no clean snapshot in the ring; capture skipped"
+            self.stream.put(AgentNotice(AGENT_WARNING, why, step).to_json(), urgent=True)
             return
         snap, entries = span
         self.writer.start(trigger, step, snap, entries, message)

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from sentineld.contracts.records import StartLine
 from sentineld.contracts.rundir import (
     RunDir,
     RunDirError,
@@ -76,8 +77,7 @@ def open_run_files(parent: Path, run_id: str, rank: int, world: int, *, recipe: 
         ok = False
         run_dir = parent / run_id
         stream = StreamWriter(os.devnull, flush_s)
-    stream.put({"kind": "start", "run_id": run_id, "rank": rank, "pid": os.getpid(),
-                "host": socket.gethostname(), "time_s": wall_clock()}, urgent=True)
+    stream.put(StartLine(run_id, rank, os.getpid(), socket.gethostname(), wall_clock()).to_json(), urgent=True)
     return RunFiles(run_id, run_dir, stream, ok)
 
 

@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 import torch
 
+from sentineld.contracts.records import AGENT_ERROR, AgentNotice, EndLine
 from sentineld.contracts.rundir import RunDir, default_runs_dir
 from sentineld.contracts.triggers import CRASH, MANUAL
 
@@ -237,14 +238,14 @@ class Watch:
             self._disable(exc)
 
     def _on_probe_grad(self, grad: torch.Tensor) -> None:
-        rec = self._rec
-        if not self.enabled or rec.probe_checked:
+        if not self.enabled or self._rec.probe_checked:
             return
         try:
-            rec.probe_checked = True
             p = self._probe_param
-            if p is not None and p.device.type == "cpu":  # on CUDA .any() would sync: unknown
-                rec.grads_carried = p.grad is not None and bool(p.grad.any())
+            carried = None  # on CUDA .any() would sync: unknown
+            if p is not None and p.device.type == "cpu":
+                carried = p.grad is not None and bool(p.grad.any())
+            self._rec.first_gradient(carried)
         except Exception as exc:  # noqa: BLE001
             self._disable(exc)
 
@@ -297,11 +298,8 @@ class Watch:
         """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        if self._rec.step_started or self._rec.ring.entries:  # a snapshot or record already numbered
-            raise ValueError("start_at() must be called before the first step starts")
-        self._rec.n = int(step)
-        self._rec.ring.snapshots.clear()  # the initial snapshot, numbered again
-        self._initial_snapshot()
+        self._rec.number_from(step)
+        self._initial_snapshot()  # numbered again
 
     # ------------------------------------------------------------------ step
     def step(self, loss: torch.Tensor | float, batch: Any = None) -> None:
@@ -341,7 +339,7 @@ class Watch:
         self.latest.enabled = False
         log.error("sentineld: agent disabled after an internal error (training continues): %r", exc)
         try:
-            self.stream.put({"kind": "agent_error", "message": repr(exc)}, urgent=True)
+            self.stream.put(AgentNotice(AGENT_ERROR, repr(exc)).to_json(), urgent=True)
         except Exception:  # noqa: BLE001
             pass
         # Hooks are not removed here: this may run inside Optimizer.step's loop over its hooks,
@@ -355,7 +353,7 @@ class Watch:
         if probes is not None:
             probes.remove()
             self._probes = None
-            self._rec.probes = None
+            self._rec.drop_probes()
 
     def close(self, reason: str = "finished", timeout_s: float = 120.0) -> None:
         """Detach hooks, finish pending records and captures, stop the exporter and the stream.
@@ -389,11 +387,9 @@ class Watch:
             rec.peers.stop()
         deadline = time.monotonic() + timeout_s
         self._writer.join(deadline)
-        if rec.disk is not None:
-            rec.disk.close(remove=reason == "finished" or self._writer.crash_captured,
-                           timeout_s=max(0.0, deadline - time.monotonic()))
-            rec.disk = None
-        self.stream.put({"kind": "end", "reason": reason, "steps": rec.n, "time_s": rec.wall()})
+        rec.close_disk(remove=reason == "finished" or self._writer.crash_captured,
+                       timeout_s=max(0.0, deadline - time.monotonic()))
+        self.stream.put(EndLine(reason, rec.n, rec.wall()).to_json())
         self.stream.close()
         if self._server is not None:
             self._server.shutdown()

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from sentineld.contracts.records import AGENT_WARNING, AgentNotice
 from sentineld.contracts.rundir import valid_run_id
 from sentineld.contracts.stream import StreamWriter
 
@@ -96,7 +97,7 @@ def start_disk_ring(config: AgentConfig, run_dir: Path, rank: int, run_id: str,
         return DiskRingWriter(
             run_dir, rank, config.window,
             meta={"run_id": run_id, "torch_version": str(torch.__version__)},
-            on_warning=lambda text: stream.put({"kind": "agent_warning", "message": text}, urgent=True))
+            on_warning=lambda text: stream.put(AgentNotice(AGENT_WARNING, text).to_json(), urgent=True))
     except OSError as exc:
         log.warning("sentineld: on-disk ring off: %s", exc)
         return None

@@ -31,14 +31,14 @@ from sentineld.contracts.capture import Capture, CaptureError, open_capture
 from sentineld.contracts.recipe import Recipe
 from sentineld.contracts.rundir import list_captures
 from sentineld.contracts.triggers import NONFINITE
-from sentineld.contracts.verdict import Report
+from sentineld.contracts.verdict import Finding, Replayed
 
 from .ddp_step import DdpStep, ddp_recipe, loss_tolerance
-from .engine import ReplayError
+from .errors import ReplayError
 from .localize import localize
 from .rebuild import load_snapshot, run_step, same_loss, state_nonfinite
 
-__all__ = ["DdpReplayError", "rank_captures", "missing_ranks_error", "mark_partial", "replay_ddp"]
+__all__ = ["DdpReplayError", "rank_captures", "missing_ranks_error", "partial_evidence", "replay_ddp"]
 
 
 class DdpReplayError(ReplayError):
@@ -98,13 +98,13 @@ def missing_ranks_error(run_dir: Path, world: int, step: int, found: dict[int, P
         "(its rebuilt losses deviate once the snapshot is older than the step)")
 
 
-def mark_partial(report: Report, world: int, missing: list[int]) -> None:
-    """Say in ``report`` (one rank's replay of a DDP run) which rank it used and which it lacked."""
-    report.evidence["ddp"] = {
-        "world_size": world, "partial": True, "ranks_used": [report.rank], "missing_ranks": missing,
-        "note": (f"the captures of rank(s) {missing} are missing: rank {report.rank}'s batches were "
+def partial_evidence(rank: int, world: int, missing: list[int]) -> dict[str, Any]:
+    """The evidence of one rank's replay of a DDP run: which rank it used and which it lacked."""
+    return {"ddp": {
+        "world_size": world, "partial": True, "ranks_used": [rank], "missing_ranks": missing,
+        "note": (f"the captures of rank(s) {missing} are missing: rank {rank}'s batches were "
                  "re-executed alone, without the other ranks' gradients, so once the snapshot is older "
-                 "than the step the rebuilt losses deviate")}
+                 "than the step the rebuilt losses deviate")}}
 
 
 @dataclass
@@ -184,11 +184,11 @@ def _rebuild(ddp: Recipe, state: DdpStep, ranks: _Ranks, steps: range, cmp: _Com
 _FIELD = re.compile(r"^batch\[(\d+)\](.*)$")
 
 
-def _attribute(report: Report, world: int, state: DdpStep) -> list[int]:
-    """The ranks where the first non-finite value was born (micro-batch = rank), and the verdict's
+def _attribute(found: Finding, world: int, state: DdpStep) -> list[int]:
+    """The ranks where the first non-finite value was born (micro-batch = rank), and the finding's
     evidence rewritten to name fields relative to that rank's batch."""
-    ev = report.evidence
-    if report.phase == "data":
+    ev = found.evidence
+    if found.phase == "data":
         ranks = []
         for f in ev.get("fields", []):
             m = _FIELD.match(str(f.get("field", "")))
@@ -198,19 +198,19 @@ def _attribute(report: Report, world: int, state: DdpStep) -> list[int]:
         if ev.get("fields"):
             ev["field"] = ev["fields"][0]["field"]
         return sorted(set(ranks))
-    if report.phase in ("forward", "backward"):
+    if found.phase in ("forward", "backward"):
         micro = ev.get("micro_batch")
         if isinstance(micro, int):
             return [micro % world]
         bad = [r for r, x in enumerate(state.losses) if not math.isfinite(x)]
         return bad or list(range(world))
-    if report.phase == "optimizer":
+    if found.phase == "optimizer":
         return list(range(world))  # every rank runs the same step on the same averaged gradients
     return []
 
 
 def replay_ddp(paths: dict[int, Path], make: Callable[[], Recipe], step: int | None,
-               environment: Callable[[], Any], *, t0: float | None = None) -> Report:
+               environment: Callable[[], Any], *, t0: float | None = None) -> Replayed:
     """Replay a DDP run's step from every rank's capture (``paths``: rank -> capture).
 
     Args:
@@ -241,21 +241,19 @@ def replay_ddp(paths: dict[int, Path], make: Callable[[], Recipe], step: int | N
 
             snapshot, fsdp = consolidated_snapshot(caps[ranks.snapshot_rank], snapshot)
         with environment() as in_effect:
-            report, cmp, offending, t1 = _run(make, world, ranks, snapshot, target, step is None)
+            found, born, cmp, offending, t1 = _run(make, world, ranks, snapshot, target, step is None)
         t2 = time.perf_counter()
-    report.run_id = str(caps[0].run_id) if 0 in caps else ""
-    _finish(report, paths, ranks, cmp, offending, in_effect)
+    replayed = _finish(found, born, target, paths, ranks, cmp, offending, in_effect,
+                       times=(round(t1 - t0, 4), round(t2 - t1, 4), round(time.perf_counter() - t0, 4)))
     if fsdp is not None:
-        report.evidence["fsdp"] = fsdp
-        report.evidence["ddp"]["reduction"] = ("per rank grad * (1/W), summed in rank order (FSDP2's "
-                                               "reduce-scatter average, each shard's sum)")
-    report.rebuild_s, report.localize_s = round(t1 - t0, 4), round(t2 - t1, 4)
-    report.elapsed_s = round(time.perf_counter() - t0, 4)
-    return report
+        replayed.evidence["fsdp"] = fsdp
+        replayed.evidence["ddp"]["reduction"] = ("per rank grad * (1/W), summed in rank order (FSDP2's "
+                                                 "reduce-scatter average, each shard's sum)")
+    return replayed
 
 
 def _run(make: Callable[[], Recipe], world: int, ranks: _Ranks, snapshot: dict[str, Any], target: int,
-         auto: bool) -> tuple[Report, _Compare, int, float]:
+         auto: bool) -> tuple[Finding, list[int], _Compare, int, float]:
     """Rebuild S..target-1 (or up to an earlier break), then localize, following on in auto mode."""
     rec = make()
     if rec.accumulation_steps != 1:
@@ -277,32 +275,23 @@ def _run(make: Callable[[], Recipe], world: int, ranks: _Ranks, snapshot: dict[s
         while True:
             batches, rngs = ranks.load(offending)
             state.begin(rngs)
-            report = localize(ddp, offending, batches, None, ranks.records.get(0, {}).get(offending))
+            found = localize(ddp, offending, batches, None, ranks.records.get(0, {}).get(offending))
             cmp.add(offending, state.losses, ranks.losses)
-            born = _attribute(report, world, state)
-            if report.phase != "none" or not auto or offending >= ranks.last:
+            born = _attribute(found, world, state)
+            if found.phase != "none" or not auto or offending >= ranks.last:
                 break
             offending += 1
-    report.ranks = born
-    return report, cmp, offending, t1
+    return found, born, cmp, offending, t1
 
 
-def _finish(report: Report, paths: dict[int, Path], ranks: _Ranks, cmp: _Compare, offending: int,
-            in_effect: Any) -> None:
-    born = report.ranks
-    report.rank = born[0] if born else 0
-    report.capture = str(paths[report.rank])
-    report.steps_rebuilt = offending - ranks.S
-    report.reproduced = cmp.equal or cmp.within
-    report.max_loss_deviation = cmp.max_deviation
-    report.loss_tolerance = 0.0 if cmp.equal else cmp.tolerance
+def _finish(found: Finding, born: list[int], target: int, paths: dict[int, Path], ranks: _Ranks, cmp: _Compare,
+            offending: int, in_effect: Any, times: tuple[float, float, float]) -> Replayed:
+    """What the DDP replay found, with the rebuild's evidence (``times``: rebuild, localize, elapsed s)."""
+    rank = born[0] if born else 0
+    tolerance = 0.0 if cmp.equal else cmp.tolerance
     recorded = {r: ranks.losses.get(r, {}).get(offending) for r in sorted(paths)}
-    report.recorded_nonfinite = bool(report.evidence.get("recorded_nonfinite")) or any(
-        x is not None and not math.isfinite(x) for x in recorded.values())
-    ev = report.evidence
-    ev["rebuilt_losses"] = {str(s): v for s, v in sorted(cmp.rebuilt.get(report.rank, {}).items())}
-    ev["snapshot_step"] = ranks.S
-    ev["torch_flags"] = in_effect
+    ev: dict[str, Any] = {"rebuilt_losses": {str(s): v for s, v in sorted(cmp.rebuilt.get(rank, {}).items())},
+                          "snapshot_step": ranks.S, "torch_flags": in_effect}
     ev["ddp"] = {
         "world_size": len(paths), "ranks_used": sorted(paths), "born_on_ranks": born,
         "snapshot_steps": {str(r): c.snapshot_step for r, c in ranks.caps.items()},
@@ -311,8 +300,14 @@ def _finish(report: Report, paths: dict[int, Path], ranks: _Ranks, cmp: _Compare
         "recorded_losses": {str(r): x for r, x in recorded.items()},
         "rebuilt_losses": {str(r): {str(s): v for s, v in sorted(d.items())} for r, d in sorted(cmp.rebuilt.items())},
         "reduction": "per rank grad * (1/W), summed in rank order (DDP's bucketed all-reduce)",
-        "bitwise": cmp.equal, "loss_tolerance": report.loss_tolerance,
+        "bitwise": cmp.equal, "loss_tolerance": tolerance,
     }
     if ranks.snapshot_rank != 0:
         ev["ddp"]["note"] = (f"snapshot taken from rank {ranks.snapshot_rank}: its buffers (e.g. BatchNorm "
                              "running stats) are its own, not the rank-0 buffers DDP broadcasts")
+    return Replayed(found, requested_step=target, reproduced=cmp.equal or cmp.within, rank=rank,
+                    capture=str(paths[rank]), max_loss_deviation=cmp.max_deviation, steps_rebuilt=offending - ranks.S,
+                    recorded_nonfinite=bool(found.evidence.get("recorded_nonfinite")) or any(
+                        x is not None and not math.isfinite(x) for x in recorded.values()),
+                    rebuild_s=times[0], localize_s=times[1], elapsed_s=times[2], ranks=born,
+                    loss_tolerance=tolerance, evidence=ev)

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sentineld.contracts.capture import CaptureError, first_rank_capture, open_capture
-from sentineld.contracts.errors import BadInput
 from sentineld.contracts.recipe import Recipe
 from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, parse_capture_name, read_run_meta
 from sentineld.contracts.triggers import NONFINITE, SPIKE
-from sentineld.contracts.verdict import Report
+from sentineld.contracts.verdict import Replayed, Report, make_report
 
+from .errors import ReplayError
 from .localize import localize
 from .rebuild import RebuildError, Rebuilt, load_snapshot, rebuild, torch_globals
 from .trust import RecipeError, UntrustedError, load_recipe_factory
@@ -35,10 +35,6 @@ from .trust import RecipeError, UntrustedError, load_recipe_factory
 __all__ = ["ReplayError", "replay_run", "replay_capture", "find_capture"]
 
 log = logging.getLogger("sentineld.replay")
-
-
-class ReplayError(BadInput):
-    """Bad input for a replay (no capture for the step, no recipe, a model that cannot be built)."""
 
 
 def find_capture(run_dir: Path, step: int | None, rank: int | None = None) -> Path:
@@ -82,7 +78,7 @@ def _factory(meta: RunMeta, recipe_spec: str | None, trust: bool, named_by: list
     spec = recipe_spec or meta.recipe
     if not spec:
         raise ReplayError(f"run {meta.run_id} recorded no recipe; pass --recipe module:function "
-                          "(a function returning sentineld.contracts.recipe.Recipe)")
+                          "(a function returning sentineld.recipe.Recipe)")
     fn = load_recipe_factory(spec, meta.cwd, trust=trust, named_by=named_by)
     return lambda: _build(fn, spec, meta.recipe_args)
 
@@ -96,7 +92,7 @@ def _build(factory: Callable[..., Any], spec: str, args: dict[str, Any]) -> Reci
         raise ReplayError(f"recipe {spec} raised while building the model: "
                           f"{type(exc).__name__}: {exc}") from None
     if not isinstance(recipe, Recipe):
-        raise ReplayError(f"recipe {spec} returned {type(recipe).__name__}, not sentineld.contracts.recipe.Recipe")
+        raise ReplayError(f"recipe {spec} returned {type(recipe).__name__}, not sentineld.recipe.Recipe")
     return recipe
 
 
@@ -130,7 +126,7 @@ def replay_run(run_dir: str | Path, step: int | None = None, *, recipe: str | No
         raise
     except RebuildError as exc:
         raise ReplayError(f"the model cannot be rebuilt: {exc}") from None
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's model code, or h5py on a damaged file
+    except (Exception, SystemExit) as exc:  # the user's model code, or h5py on a damaged file
         raise ReplayError(f"re-executing the run's steps failed: {type(exc).__name__}: {exc}") from exc
 
 
@@ -163,16 +159,15 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
     if not (spec or meta.recipe):  # a run with neither recipe nor loss_fn: forward-only
         from .forward_replay import replay_forward_only  # noqa: PLC0415
 
-        return replay_forward_only(meta, cap_path, trust, named_by)
+        return make_report(replay_forward_only(meta, cap_path, trust, named_by), meta.run_id)
     flags = meta.extra.get("torch_flags") if isinstance(meta.extra, dict) else None
     env = lambda: torch_globals(meta.num_threads, flags if isinstance(flags, dict) else None)  # noqa: E731
     if ranks:
         from .ddp import replay_ddp  # noqa: PLC0415
 
         named_by += [p for r, p in sorted(ranks.items()) if r]
-        report = replay_ddp(ranks, _factory(meta, spec, trust, named_by), step, env, t0=t0)
-        report.run_id = meta.run_id
-        return _mark_compiled(report, meta.extra)
+        return _mark_compiled(make_report(replay_ddp(ranks, _factory(meta, spec, trust, named_by), step, env, t0=t0),
+                                          meta.run_id), meta.extra)
     if meta.world_size > 1 and _is_spike(cap_path):
         raise ReplayError(f"{cap_path.name}: a loss-spike verdict of a {meta.world_size}-rank run is not "
                           "replayed yet (each rank's step used all ranks' gradients); replay a "
@@ -181,21 +176,22 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
         from .cf_replay import add_what_if, run_compiled, spike_replay  # noqa: PLC0415
 
         if _is_spike(cap_path):
-            report = spike_replay(cap_path, _factory(meta, spec, trust, named_by), step, env, what=what_if,
+            spiked = spike_replay(cap_path, _factory(meta, spec, trust, named_by), step, env, what=what_if,
                                   compiled=run_compiled(meta), repeats=repeats, t0=t0)
-            report.run_id = meta.run_id
-            return report
-        report = replay_capture(cap_path, lambda: _factory(meta, spec, trust, named_by), step, env, t0=t0)
-        report.run_id = meta.run_id
-        return _mark_compiled(add_what_if(report, cap_path, _factory(meta, spec, trust, named_by), env,
+            spiked.run_id = meta.run_id
+            return spiked
+        found = make_report(replay_capture(cap_path, lambda: _factory(meta, spec, trust, named_by), step, env,
+                                           t0=t0), meta.run_id)
+        return _mark_compiled(add_what_if(found, cap_path, _factory(meta, spec, trust, named_by), env,
                                           compiled=run_compiled(meta), repeats=repeats), meta.extra)
-    report = replay_capture(
-        cap_path, lambda: _factory(meta, spec, trust, named_by), step, env, t0=t0)
-    report.run_id = meta.run_id
+    replayed = replay_capture(cap_path, lambda: _factory(meta, spec, trust, named_by), step, env, t0=t0)
     if missing:
-        from .ddp import mark_partial  # noqa: PLC0415
+        from .ddp import partial_evidence  # noqa: PLC0415
 
-        mark_partial(report, meta.world_size, missing)
+        report = make_report(replayed, meta.run_id,
+                             evidence=partial_evidence(replayed.rank, meta.world_size, missing))
+    else:
+        report = make_report(replayed, meta.run_id)
 
     def rerun(backend: str | None) -> dict[str, Any]:
         from .compiled import compiled_rerun  # noqa: PLC0415
@@ -217,7 +213,7 @@ def _mark_compiled(report: Report, extra: Any, rerun: Callable[[str | None], dic
 
 
 def replay_capture(cap_path: Path, factory: Callable[[], Callable[[], Recipe]], step: int | None,
-                   environment: Callable[[], Any], *, t0: float | None = None) -> Report:
+                   environment: Callable[[], Any], *, t0: float | None = None) -> Replayed:
     """Replay ``step`` of one capture with recipes from ``factory()()`` inside ``environment()``.
 
     The daemon-side replay passes the run's recipe and :func:`torch_globals`; the training
@@ -231,7 +227,8 @@ def replay_capture(cap_path: Path, factory: Callable[[], Callable[[], Recipe]], 
         environment: a context manager factory yielding the process settings in effect (evidence).
 
     Returns:
-        The :class:`Report` with everything but ``run_id`` filled in.
+        What it found (:class:`Replayed`; :func:`~sentineld.contracts.verdict.make_report` makes
+        the verdict of it).
 
     Raises:
         CaptureError: the step is not in the capture or precedes its snapshot.
@@ -269,31 +266,24 @@ def replay_capture(cap_path: Path, factory: Callable[[], Callable[[], Recipe]], 
             t1 = time.perf_counter()
             while True:
                 batch, rng = load(offending)
-                report = localize(rec, offending, batch, rng, records.get(offending))
-                result.compare(offending, report.evidence["replayed_loss"], losses.get(offending))
-                if report.phase != "none" or step is not None or offending >= steps[-1]:
+                found = localize(rec, offending, batch, rng, records.get(offending))
+                result.compare(offending, found.evidence["replayed_loss"], losses.get(offending))
+                if found.phase != "none" or step is not None or offending >= steps[-1]:
                     break
                 offending += 1  # auto mode: follow the captured steps to the first real fault
             t2 = time.perf_counter()
-    report.rank, report.capture = cap.rank, str(cap_path)
-    report.requested_step = target
-    report.steps_rebuilt = offending - S
-    report.reproduced = result.equal
-    report.max_loss_deviation = result.max_deviation
     rec_loss = losses.get(offending)
-    report.recorded_nonfinite = bool(report.evidence.get("recorded_nonfinite")) or (
-        rec_loss is not None and not math.isfinite(rec_loss))
-    ev = report.evidence
-    ev["rebuilt_losses"] = {str(s): v for s, v in sorted(result.losses.items())}
-    ev["snapshot_step"] = S
-    ev["precision"] = {"param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in rec.model.parameters()}),
-                       "autocast_dtype": str(rec.autocast_dtype).removeprefix("torch.") if rec.autocast_dtype else None,
-                       "recast_from_snapshot": recast[:8]}
-    ev["torch_flags"] = in_effect
+    autocast = str(rec.autocast_dtype).removeprefix("torch.") if rec.autocast_dtype else None
+    ev = {"rebuilt_losses": {str(s): v for s, v in sorted(result.losses.items())}, "snapshot_step": S,
+          "precision": {"param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in rec.model.parameters()}),
+                        "autocast_dtype": autocast, "recast_from_snapshot": recast[:8]},
+          "torch_flags": in_effect}
     if not rec.zero_grad and S > 0:
         ev["warning"] = ("the loop never zeroes gradients and the snapshot holds none: gradients "
                          "carried into step S are missing, so the rebuild cannot be exact")
-    report.rebuild_s = round(t1 - t0, 4)
-    report.localize_s = round(t2 - t1, 4)
-    report.elapsed_s = round(time.perf_counter() - t0, 4)
-    return report
+    return Replayed(found, requested_step=target, reproduced=result.equal, rank=cap.rank, capture=str(cap_path),
+                    max_loss_deviation=result.max_deviation, steps_rebuilt=offending - S,
+                    recorded_nonfinite=bool(found.evidence.get("recorded_nonfinite")) or (
+                        rec_loss is not None and not math.isfinite(rec_loss)),
+                    rebuild_s=round(t1 - t0, 4), localize_s=round(t2 - t1, 4),
+                    elapsed_s=round(time.perf_counter() - t0, 4), evidence=ev)

@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from sentineld.contracts.recipe import Recipe
-from sentineld.contracts.verdict import Report
+from sentineld.contracts.verdict import Finding, Replayed
 
 from .localize import _forward, nonfinite_fields
 from .trace import Tracer, nonfinite_flags, one_thread
@@ -34,7 +34,7 @@ NOT_CHECKED = ["loss", "backward", "optimizer step"]
 #: How to get the full verdict.
 HOW_TO_ENABLE = ("pass loss_fn=lambda model, batch: <loss> to sentineld.agent.attach (the "
                  "training process then replays loss, backward and optimizer step), or "
-                 "recipe='module:function' (see sentineld.contracts.recipe)")
+                 "recipe='module:function' (see sentineld.recipe)")
 
 
 @dataclass
@@ -82,9 +82,9 @@ def _run(model: torch.nn.Module, call: ForwardCall, set_rng: Callable[[dict[str,
 
 
 def localize_forward(model: torch.nn.Module, snapshot_step: int, calls: list[ForwardCall], first_step: int,
-                     set_rng: Callable[[dict[str, Any]], None]) -> Report:
+                     set_rng: Callable[[dict[str, Any]], None]) -> Replayed:
     """Run the recorded forward calls from ``first_step`` on ``model`` (holding snapshot S) until
-    one makes a non-finite output; return the verdict.
+    one makes a non-finite output; return what it found.
 
     Args:
         model: a copy of the model with the snapshot's state loaded, in the recorded modes.
@@ -95,46 +95,46 @@ def localize_forward(model: torch.nn.Module, snapshot_step: int, calls: list[For
             the training process).
 
     Returns:
-        A :class:`Report`: phase ``data`` (non-finite inputs), ``forward`` (op, module) or ``none``;
-        ``reproduced`` is True when a non-finite output was made again. ``evidence`` holds
-        ``checked``, ``not_checked`` and ``how_to_enable``.
+        A :class:`Replayed` (``rank`` and ``capture`` left to the caller): phase ``data``
+        (non-finite inputs), ``forward`` (op, module) or ``none``; ``reproduced`` is True when a
+        non-finite output was made again. ``evidence`` holds ``checked``, ``not_checked`` and
+        ``how_to_enable``.
     """
     t0 = time.perf_counter()
     todo = sorted((c for c in calls if c.step >= first_step), key=lambda c: c.step)
-    report = Report(run_id="", rank=0, step=first_step, requested_step=first_step, phase="none")
+    found, reproduced = None, False
     tried = []
+    step = first_step
     for call in todo:
-        report.step = call.step
+        step = call.step
         fields = nonfinite_fields((call.args, call.kwargs), "forward_inputs")
         if fields:
-            report.phase = "data"
-            report.evidence.update(field=fields[0]["field"], samples=fields[0]["samples"], fields=fields)
-            report.cause, report.reproduced = "the model's forward got non-finite inputs", True
-            report.cause_class, report.where = "data_nonfinite", f"forward inputs, {fields[0]['field']}"
-            report.fix = "check the data pipeline for the samples named (NaN/Inf in the input)"
+            found = Finding(step=step, phase="data", cause="the model's forward got non-finite inputs",
+                            cause_class="data_nonfinite", where=f"forward inputs, {fields[0]['field']}",
+                            fix="check the data pipeline for the samples named (NaN/Inf in the input)",
+                            evidence={"field": fields[0]["field"], "samples": fields[0]["samples"], "fields": fields})
+            reproduced = True
             break
         tracer, bad = _run(model, call, set_rng)
         tried.append(call.step)
         if bad:
-            _forward(report, cast(Recipe, _Holder(model)), tracer)  # _forward reads .model only
-            report.reproduced = True
-            report.evidence["births"] = [b.summary() for b in tracer.births[:5]]
+            found = _forward(step, {"births": [b.summary() for b in tracer.births[:5]]},
+                             cast(Recipe, _Holder(model)), tracer)  # _forward reads .model only
+            reproduced = True
             break
-    ev = report.evidence
+    if found is None:
+        found = Finding(step=step, phase="none", cause_class="not_checked", fix=HOW_TO_ENABLE,
+                        cause=(f"the model's forward of steps {tried or [first_step]} is finite on snapshot "
+                               f"{snapshot_step}'s parameters: the non-finite value was made in the loss, "
+                               "backward or optimizer step, or by parameters changed since the snapshot"))
     not_checked = list(NOT_CHECKED)
-    if report.step > snapshot_step:
-        not_checked.append(f"parameter updates of steps {snapshot_step}..{report.step - 1} "
+    if step > snapshot_step:
+        not_checked.append(f"parameter updates of steps {snapshot_step}..{step - 1} "
                            f"(the forward ran on snapshot {snapshot_step}'s parameters)")
-    ev.update(mode="forward_only", checked=["forward"], not_checked=not_checked, how_to_enable=HOW_TO_ENABLE,
-              snapshot_step=snapshot_step, forward_steps_tried=tried, replayed_loss=math.nan)
-    ev["warning"] = (f"forward-only verdict: the loss, backward and optimizer step were not checked; to "
-                     f"check them, {HOW_TO_ENABLE}")
-    if report.phase == "none":
-        report.cause = (f"the model's forward of steps {tried or [first_step]} is finite on snapshot "
-                        f"{snapshot_step}'s parameters: the non-finite value was made in the loss, "
-                        "backward or optimizer step, or by parameters changed since the snapshot")
-        report.fix = HOW_TO_ENABLE
-        report.cause_class = "not_checked"
-    report.steps_rebuilt = 0
-    report.elapsed_s = report.localize_s = round(time.perf_counter() - t0, 4)
-    return report
+    ev = dict(mode="forward_only", checked=["forward"], not_checked=not_checked, how_to_enable=HOW_TO_ENABLE,
+              snapshot_step=snapshot_step, forward_steps_tried=tried, replayed_loss=math.nan,
+              warning=(f"forward-only verdict: the loss, backward and optimizer step were not checked; to "
+                       f"check them, {HOW_TO_ENABLE}"))
+    elapsed = round(time.perf_counter() - t0, 4)
+    return Replayed(found, requested_step=first_step, reproduced=reproduced, steps_rebuilt=0, elapsed_s=elapsed,
+                    localize_s=elapsed, evidence=ev)

@@ -10,6 +10,7 @@ what to pass.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -17,10 +18,10 @@ import torch
 from sentineld.contracts.capture import open_capture
 from sentineld.contracts.rng import restore_rng
 from sentineld.contracts.rundir import RunMeta
-from sentineld.contracts.verdict import Report
+from sentineld.contracts.verdict import Replayed
 from sentineld.contracts.verdict_file import verdict_path
 
-from .engine import ReplayError
+from .errors import ReplayError
 from .forward_only import HOW_TO_ENABLE, ForwardCall, localize_forward
 from .rebuild import torch_globals
 from .trust import load_recipe_factory
@@ -46,7 +47,7 @@ def _model(meta: RunMeta, trust: bool, named_by: list[Path]) -> torch.nn.Module:
     return model
 
 
-def replay_forward_only(meta: RunMeta, cap_path: Path, trust: bool, named_by: list[Path]) -> Report:
+def replay_forward_only(meta: RunMeta, cap_path: Path, trust: bool, named_by: list[Path]) -> Replayed:
     """Forward-only verdict for ``cap_path`` of a run without a recipe.
 
     Raises:
@@ -58,7 +59,7 @@ def replay_forward_only(meta: RunMeta, cap_path: Path, trust: bool, named_by: li
         if not calls_rec:
             verdict = verdict_path(cap_path)
             raise ReplayError(f"run {meta.run_id} recorded no recipe; pass --recipe module:function "
-                              "(a function returning sentineld.contracts.recipe.Recipe)"
+                              "(a function returning sentineld.recipe.Recipe)"
                               + (f"; the training process's own verdict is in {verdict}" if verdict.exists() else ""))
         model = _model(meta, trust, named_by)
         snap = cap.snapshot()
@@ -82,7 +83,5 @@ def replay_forward_only(meta: RunMeta, cap_path: Path, trust: bool, named_by: li
                  for s, c in sorted(calls_rec.items()) if s in cap.steps]
         flags = meta.extra.get("torch_flags") if isinstance(meta.extra, dict) else None
         with torch_globals(meta.num_threads, flags if isinstance(flags, dict) else None) as in_effect:
-            report = localize_forward(model, cap.snapshot_step, calls, cap.first_step, restore_rng)
-        report.rank, report.capture, report.run_id = cap.rank, str(cap_path), meta.run_id
-    report.evidence["torch_flags"] = in_effect
-    return report
+            found = localize_forward(model, cap.snapshot_step, calls, cap.first_step, restore_rng)
+    return replace(found, rank=cap.rank, capture=str(cap_path), evidence={**found.evidence, "torch_flags": in_effect})

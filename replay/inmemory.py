@@ -65,7 +65,7 @@ def copy_module(live: torch.nn.Module, modes: list[bool] | None = None) -> torch
             if id(p) not in memo:
                 memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, memory_format=torch.preserve_format),
                                                  requires_grad=p.requires_grad)
-        transient = getattr(m, "_non_persistent_buffers_set", set())
+        transient: set[str] = getattr(m, "_non_persistent_buffers_set", set())
         for name, b in m.named_buffers(recurse=False):
             if id(b) not in memo:
                 # A non-persistent buffer (BERT's position_ids) is in no state_dict, so no

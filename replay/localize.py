@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from sentineld.contracts.recipe import Recipe
-from sentineld.contracts.verdict import OUTSIDE_MODEL, Report
+from sentineld.contracts.verdict import OUTSIDE_MODEL, Finding
 
 from .causes import Facts, likely_cause
 from .rebuild import run_step
@@ -90,14 +90,13 @@ def _finite(x: float | None) -> bool:
     return x is None or math.isfinite(x)
 
 
-def localize(recipe: Recipe, step: int, batch: Any, rng: Any, record: dict[str, Any] | None) -> Report:
-    """Run ``step`` on ``recipe`` (holding the state before it) under the tracer; return the verdict.
+def localize(recipe: Recipe, step: int, batch: Any, rng: Any, record: dict[str, Any] | None) -> Finding:
+    """Run ``step`` on ``recipe`` (holding the state before it) under the tracer; return what it found.
 
     The step runs in full (the state after it is the state before ``step + 1``). ``record`` is the
     agent's record of the step (``loss``, ``grad_norm``, ``lr``) or None.
     """
     record = record or {}
-    report = Report(run_id="", rank=0, step=step, requested_step=step, phase="none")
     tracer = Tracer(recipe.model, lambda: _namer(recipe))
     seen: dict[str, Any] = {"micro_losses": [], "stepped": False}
 
@@ -138,11 +137,12 @@ def localize(recipe: Recipe, step: int, batch: Any, rng: Any, record: dict[str, 
         recipe.loss_fn = loss_fn
         hook.remove()
     with one_thread():
-        return _verdict(report, recipe, tracer, seen, batch, record)
+        return _verdict(step, recipe, tracer, seen, batch, record)
 
 
-def _verdict(report: Report, recipe: Recipe, tracer: Tracer, seen: dict[str, Any], batch: Any,
-             record: dict[str, Any]) -> Report:
+def _verdict(step: int, recipe: Recipe, tracer: Tracer, seen: dict[str, Any], batch: Any,
+             record: dict[str, Any]) -> Finding:
+    """The first phase that went wrong, in the step's order (the module docstring)."""
     loss = seen["loss"]
     fields = nonfinite_fields(batch)
     lr_after = _lr(recipe)
@@ -150,56 +150,52 @@ def _verdict(report: Report, recipe: Recipe, tracer: Tracer, seen: dict[str, Any
     bad_grads = [n for n, (nan, inf) in grads_pre.items() if nan or inf]
     skipped = recipe.scaler is not None and not seen["stepped"]
     bad_params = [n for n, p in recipe.model.named_parameters() if not is_finite(p.detach())]
-    ev = report.evidence
-    ev.update(replayed_loss=loss, recorded_loss=record.get("loss"), micro_losses=seen["micro_losses"],
+    ev = dict(replayed_loss=loss, recorded_loss=record.get("loss"), micro_losses=seen["micro_losses"],
               recorded_grad_norm=record.get("grad_norm"), recorded_lr=record.get("lr"),
               lr=seen.get("lr"), lr_after=lr_after, optimizer_skipped=skipped,
               ops_observed=tracer.op_count, births=[b.summary() for b in tracer.births[:5]])
     lr_used = seen.get("lr")
     if fields:
-        return _data(report, fields)
+        return _data(step, ev, fields)
     if any(not math.isfinite(x) for x in seen["micro_losses"]):
-        return _forward(report, recipe, tracer)
+        return _forward(step, ev, recipe, tracer)
     if bad_grads and not skipped:
         inf_only = not any(grads_pre[n][0] for n in bad_grads)
         clip_nan = next((b for b in tracer.births if b.phase == "clip" and b.kind == "nan"), None)
         if recipe.clip_grad_norm is not None and inf_only and clip_nan is not None:
-            return _clip(report, recipe, tracer, clip_nan, bad_grads)
-        return _backward(report, recipe, tracer, bad_grads)
+            return _clip(step, ev, recipe, tracer, clip_nan, bad_grads)
+        return _backward(step, ev, recipe, tracer, bad_grads)
     if not _finite(lr_used):
-        return _scheduler(report, recipe, lr_used, lr_after, bad_params)
+        return _scheduler(step, ev, recipe, lr_used, lr_after, bad_params)
     bad_state = _bad_state(recipe)
     if bad_params or bad_state:
-        return _optimizer(report, recipe, tracer, bad_params, bad_state)
+        return _optimizer(step, ev, recipe, tracer, bad_params, bad_state)
     if not _finite(lr_after):
-        return _scheduler(report, recipe, lr_used, lr_after, bad_params)
-    return _none(report, record, skipped)
+        return _scheduler(step, ev, recipe, lr_used, lr_after, bad_params)
+    return _none(step, ev, record, skipped)
 
 
-def _set_cause(report: Report, facts: Facts) -> Report:
+def _found(step: int, phase: str, evidence: dict[str, Any], facts: Facts, **fields: Any) -> Finding:
+    """The finding of ``phase``, with its likely cause and fix from ``facts`` (the NaN table)."""
     c = likely_cause(facts)
-    report.cause_class, report.cause, report.fix = c.cls, c.cause, c.fix
-    report.evidence["nan_table_row"] = c.row
-    return report
+    return Finding(step=step, phase=phase, cause_class=c.cls, cause=c.cause, fix=c.fix,
+                   evidence={**evidence, "nan_table_row": c.row}, **fields)
 
 
-def _place(report: Report, module: str | None, mtype: str | None) -> None:
-    """Set ``module`` / ``module_type`` / ``where`` from a tracer's module name (``<Type>`` or None:
+def _place(module: str | None, mtype: str | None) -> dict[str, Any]:
+    """``module`` / ``module_type`` / ``where`` from a tracer's module name (``<Type>`` or None:
     outside the model)."""
     if module is None or module.startswith("<"):
-        report.module = None
-        report.module_type = module.strip("<>") if module else None
-        report.where = (f"loss module {report.module_type}, outside the model" if module else OUTSIDE_MODEL)
-    else:
-        report.module, report.module_type = module, mtype
-        report.where = f"module '{module}' ({mtype})" if module else f"the model's own forward ({mtype})"
+        mt = module.strip("<>") if module else None
+        return {"module": None, "module_type": mt,
+                "where": f"loss module {mt}, outside the model" if module else OUTSIDE_MODEL}
+    return {"module": module, "module_type": mtype,
+            "where": f"module '{module}' ({mtype})" if module else f"the model's own forward ({mtype})"}
 
 
-def _data(report: Report, fields: list[dict[str, Any]]) -> Report:
-    report.phase = "data"
-    report.where = f"input batch, {fields[0]['field']}"
-    report.evidence.update(field=fields[0]["field"], samples=fields[0]["samples"], fields=fields)
-    return _set_cause(report, Facts("data"))
+def _data(step: int, ev: dict[str, Any], fields: list[dict[str, Any]]) -> Finding:
+    return _found(step, "data", {**ev, "field": fields[0]["field"], "samples": fields[0]["samples"],
+                                 "fields": fields}, Facts("data"), where=f"input batch, {fields[0]['field']}")
 
 
 def _propagates(b: Birth, tracer: Tracer) -> bool:
@@ -217,30 +213,27 @@ def _module_params(recipe: Recipe, module: str | None) -> list[str]:
     return []
 
 
-def _forward(report: Report, recipe: Recipe, tracer: Tracer) -> Report:
-    report.phase = "forward"
+def _forward(step: int, ev: dict[str, Any], recipe: Recipe, tracer: Tracer) -> Finding:
+    ev = dict(ev)
     first_call = next((c for c in tracer.calls if c.born_here), None)
     if first_call is not None:
-        report.evidence["first_nonfinite_module"] = {
+        ev["first_nonfinite_module"] = {
             "module": first_call.name, "module_type": first_call.module_type,
             "micro_batch": first_call.micro, **first_call.stats()}
     b = next((b for b in tracer.births if b.phase == "forward" and _propagates(b, tracer)), None)
     if b is None:
         # Non-finite without a birth: the rebuilt state already held it.
-        _place(report, first_call.name if first_call else None, first_call.module_type if first_call else None)
+        place = _place(first_call.name if first_call else None, first_call.module_type if first_call else None)
         if first_call is None:
-            report.where = "the rebuilt state (parameters, buffers)"
-        report.cause_class = "state_nonfinite"
-        report.cause = "non-finite values were already in the rebuilt state"
-        report.fix = "replay an earlier step (--step) to find where they were made"
-        return report
-    _place(report, b.module, b.module_type)
-    report.op = b.op
-    report.parameters = _module_params(recipe, b.module)
-    report.evidence.update(op_inputs=b.inputs, op_output=b.output, micro_batch=b.micro, kind=b.kind)
+            place["where"] = "the rebuilt state (parameters, buffers)"
+        return Finding(step=step, phase="forward", cause_class="state_nonfinite",
+                       cause="non-finite values were already in the rebuilt state",
+                       fix="replay an earlier step (--step) to find where they were made", evidence=ev, **place)
+    ev.update(op_inputs=b.inputs, op_output=b.output, micro_batch=b.micro, kind=b.kind)
     if b.call is not None:
-        report.evidence["module_call"] = tracer.calls[b.call].stats()
-    return _set_cause(report, Facts("forward", b.op, b.kind, b.inputs, b.output))
+        ev["module_call"] = tracer.calls[b.call].stats()
+    return _found(step, "forward", ev, Facts("forward", b.op, b.kind, b.inputs, b.output), op=b.op,
+                  parameters=_module_params(recipe, b.module), **_place(b.module, b.module_type))
 
 
 def _backward_birth(tracer: Tracer) -> Birth | None:
@@ -252,36 +245,30 @@ def _backward_birth(tracer: Tracer) -> Birth | None:
     return b
 
 
-def _backward(report: Report, recipe: Recipe, tracer: Tracer, bad_grads: list[str]) -> Report:
-    report.phase = "backward"
-    report.parameters = bad_grads
+def _backward(step: int, ev: dict[str, Any], recipe: Recipe, tracer: Tracer, bad_grads: list[str]) -> Finding:
     b = _backward_birth(tracer)
     masked_fwd = None
     if b is None:
         masked_fwd = next((m for m in tracer.births if m.phase == "forward" and not _propagates(m, tracer)), None)
-    if b is None and masked_fwd is None:
-        report.cause_class = "no_birth"
-        report.cause = "gradients were non-finite without a birth in backward"
-        report.fix = "check gradient hooks or custom autograd Functions that write gradients"
-        return report
     if masked_fwd is not None:
         # The forward made NaN/Inf in elements a selector dropped; backward multiplies through them.
-        _place(report, masked_fwd.module, masked_fwd.module_type)
-        report.op = masked_fwd.op
-        report.evidence.update(op_inputs=masked_fwd.inputs, op_output=masked_fwd.output, kind=masked_fwd.kind,
-                               micro_batch=masked_fwd.micro, masked_forward_birth=masked_fwd.summary())
-        return _set_cause(report, Facts("backward", masked_fwd.op, masked_fwd.kind, masked_fwd.inputs,
-                                        masked_fwd.output, forward_op=masked_fwd.op, masked_forward=True))
-    assert b is not None
-    _place(report, b.module, b.module_type)
-    report.op = b.forward_op or b.op
-    report.autograd_node = b.autograd_node
-    report.evidence.update(op_inputs=b.inputs, op_output=b.output, micro_batch=b.micro, kind=b.kind,
-                           primitive=b.op, forward_op=b.forward_op, custom_function=b.custom_function,
-                           where_branch=b.where_branch)
-    return _set_cause(report, Facts("backward", b.op, b.kind, b.inputs, b.output, node=b.autograd_node,
-                                    forward_op=b.forward_op, custom_function=b.custom_function,
-                                    where_branch=b.where_branch, zero_grad=recipe.zero_grad))
+        m = masked_fwd
+        return _found(step, "backward", {**ev, "op_inputs": m.inputs, "op_output": m.output, "kind": m.kind,
+                                         "micro_batch": m.micro, "masked_forward_birth": m.summary()},
+                      Facts("backward", m.op, m.kind, m.inputs, m.output, forward_op=m.op, masked_forward=True),
+                      op=m.op, parameters=bad_grads, **_place(m.module, m.module_type))
+    if b is None:
+        return Finding(step=step, phase="backward", parameters=bad_grads, cause_class="no_birth",
+                       cause="gradients were non-finite without a birth in backward",
+                       fix="check gradient hooks or custom autograd Functions that write gradients", evidence=ev)
+    return _found(step, "backward", {**ev, "op_inputs": b.inputs, "op_output": b.output, "micro_batch": b.micro,
+                                     "kind": b.kind, "primitive": b.op, "forward_op": b.forward_op,
+                                     "custom_function": b.custom_function, "where_branch": b.where_branch},
+                  Facts("backward", b.op, b.kind, b.inputs, b.output, node=b.autograd_node,
+                        forward_op=b.forward_op, custom_function=b.custom_function,
+                        where_branch=b.where_branch, zero_grad=recipe.zero_grad),
+                  op=b.forward_op or b.op, autograd_node=b.autograd_node, parameters=bad_grads,
+                  **_place(b.module, b.module_type))
 
 
 def _owner(recipe: Recipe, pname: str) -> tuple[str | None, str | None]:
@@ -292,33 +279,28 @@ def _owner(recipe: Recipe, pname: str) -> tuple[str | None, str | None]:
     return None, None
 
 
-def _clip(report: Report, recipe: Recipe, tracer: Tracer, clip_nan: Birth, inf_grads: list[str]) -> Report:
-    report.phase = "optimizer"
-    report.op = clip_nan.op
-    report.parameters = inf_grads
-    _place(report, *_owner(recipe, inf_grads[0]))
-    report.where = f"gradient clipping (clip_grad_norm_ {recipe.clip_grad_norm:g})"
+def _clip(step: int, ev: dict[str, Any], recipe: Recipe, tracer: Tracer, clip_nan: Birth,
+          inf_grads: list[str]) -> Finding:
+    place = {**_place(*_owner(recipe, inf_grads[0])),
+             "where": f"gradient clipping (clip_grad_norm_ {recipe.clip_grad_norm:g})"}
     origin = _backward_birth(tracer)
-    report.evidence.update(op_inputs=clip_nan.inputs, op_output=clip_nan.output,
-                           clip_grad_norm=recipe.clip_grad_norm,
-                           inf_gradient_origin=origin.summary() if origin else None)
-    return _set_cause(report, Facts("optimizer", clip_nan.op, "nan", clip_nan.inputs, clip_nan.output,
-                                    clip=True))
+    return _found(step, "optimizer", {**ev, "op_inputs": clip_nan.inputs, "op_output": clip_nan.output,
+                                      "clip_grad_norm": recipe.clip_grad_norm,
+                                      "inf_gradient_origin": origin.summary() if origin else None},
+                  Facts("optimizer", clip_nan.op, "nan", clip_nan.inputs, clip_nan.output, clip=True),
+                  op=clip_nan.op, parameters=inf_grads, **place)
 
 
-def _scheduler(report: Report, recipe: Recipe, lr: float | None, lr_after: float | None,
-               bad_params: list[str]) -> Report:
-    report.phase = "optimizer"
-    report.module, report.op = None, "lr"
+def _scheduler(step: int, ev: dict[str, Any], recipe: Recipe, lr: float | None, lr_after: float | None,
+               bad_params: list[str]) -> Finding:
     sched = recipe.scheduler
-    report.module_type = type(sched).__name__ if sched is not None else None
-    report.where = f"learning-rate scheduler ({report.module_type or 'none'})"
-    report.parameters = bad_params
-    report.evidence["scheduler"] = {
-        "type": report.module_type, "last_epoch": getattr(sched, "last_epoch", None),
-        "lr_used_by_step": lr, "lr_set_for_next_step": lr_after,
-        "base_lrs": list(getattr(sched, "base_lrs", []) or [])}
-    return _set_cause(report, Facts("optimizer", lr=lr, lr_after=lr_after))
+    mtype = type(sched).__name__ if sched is not None else None
+    scheduler = {"type": mtype, "last_epoch": getattr(sched, "last_epoch", None),
+                 "lr_used_by_step": lr, "lr_set_for_next_step": lr_after,
+                 "base_lrs": list(getattr(sched, "base_lrs", []) or [])}
+    return _found(step, "optimizer", {**ev, "scheduler": scheduler}, Facts("optimizer", lr=lr, lr_after=lr_after),
+                  module=None, op="lr", module_type=mtype, where=f"learning-rate scheduler ({mtype or 'none'})",
+                  parameters=bad_params)
 
 
 def _bad_state(recipe: Recipe) -> list[tuple[str, str]]:
@@ -330,19 +312,14 @@ def _bad_state(recipe: Recipe) -> list[tuple[str, str]]:
     return out
 
 
-def _optimizer(report: Report, recipe: Recipe, tracer: Tracer, bad_params: list[str],
-               bad_state: list[tuple[str, str]]) -> Report:
-    report.phase = "optimizer"
+def _optimizer(step: int, ev: dict[str, Any], recipe: Recipe, tracer: Tracer, bad_params: list[str],
+               bad_state: list[tuple[str, str]]) -> Finding:
+    ev = dict(ev)
     b = next((b for b in tracer.births if b.phase == "optimizer"), None)
     named = [t.partition(":")[0] for t in (b.tensor_names if b else []) if not t.endswith(".grad")]
     params = list(dict.fromkeys([n for n in named if n in dict(recipe.model.named_parameters())]
                                 + bad_params + [n for n, _ in bad_state]))
-    report.parameters = params
-    first = params[0] if params else None
-    if first is not None:
-        report.module, report.module_type = _owner(recipe, first)
-    report.where = f"optimizer step ({type(recipe.optimizer).__name__})"
-    report.op = b.op if b else None
+    module, mtype = _owner(recipe, params[0]) if params else (None, None)
     eps_lost, state_ev = False, []
     pmap = dict(recipe.model.named_parameters())
     group_of = {id(p): g for g in recipe.optimizer.param_groups for p in g["params"]}
@@ -360,18 +337,18 @@ def _optimizer(report: Report, recipe: Recipe, tracer: Tracer, bad_params: list[
         eps = group_of.get(id(p), {}).get("eps")
         if isinstance(eps, float) and eps > 0:
             eps_dtype = float(torch.tensor(eps, dtype=p.dtype))
-            report.evidence.setdefault("eps", {"eps": eps, "in_param_dtype": eps_dtype,
-                                               "param_dtype": str(p.dtype).removeprefix("torch.")})
+            ev.setdefault("eps", {"eps": eps, "in_param_dtype": eps_dtype,
+                                  "param_dtype": str(p.dtype).removeprefix("torch.")})
             eps_lost = eps_lost or eps_dtype == 0.0
     entry = _state_culprit(state_ev)
-    report.evidence["state_entry"] = entry
-    report.evidence["optimizer_state"] = state_ev
-    report.evidence["optimizer"] = type(recipe.optimizer).__name__
+    ev.update(state_entry=entry, optimizer_state=state_ev, optimizer=type(recipe.optimizer).__name__)
     if b is not None:
-        report.evidence.update(op_inputs=b.inputs, op_output=b.output, tensors=b.tensor_names, kind=b.kind)
-    return _set_cause(report, Facts("optimizer", b.op if b else None, b.kind if b else None,
-                                    b.inputs if b else [], b.output if b else {},
-                                    eps_lost=eps_lost and entry is not None, state_entry=entry))
+        ev.update(op_inputs=b.inputs, op_output=b.output, tensors=b.tensor_names, kind=b.kind)
+    return _found(step, "optimizer", ev, Facts("optimizer", b.op if b else None, b.kind if b else None,
+                                               b.inputs if b else [], b.output if b else {},
+                                               eps_lost=eps_lost and entry is not None, state_entry=entry),
+                  module=module, module_type=mtype, where=f"optimizer step ({type(recipe.optimizer).__name__})",
+                  op=b.op if b else None, parameters=params)
 
 
 _DENOMINATOR_HINTS = ("sq", "square", "var", "denom", "hess", "second")
@@ -389,10 +366,10 @@ def _state_culprit(state_ev: list[dict[str, Any]]) -> str | None:
     return str((denom or state_ev)[0]["entry"])
 
 
-def _none(report: Report, record: dict[str, Any], skipped: bool) -> Report:
+def _none(step: int, ev: dict[str, Any], record: dict[str, Any], skipped: bool) -> Finding:
     rec_bad = any(isinstance(record.get(k), float) and not math.isfinite(record[k])
                   for k in ("loss", "grad_norm", "lr"))
-    report.evidence["recorded_nonfinite"] = rec_bad
+    ev = {**ev, "recorded_nonfinite": rec_bad}
     if skipped:
-        report.evidence["note"] = "GradScaler skipped the optimizer step (Inf/NaN gradients, as designed)"
-    return _set_cause(report, Facts("none", recorded_nonfinite=rec_bad))
+        ev["note"] = "GradScaler skipped the optimizer step (Inf/NaN gradients, as designed)"
+    return _found(step, "none", ev, Facts("none", recorded_nonfinite=rec_bad))

@@ -18,13 +18,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 
-from sentineld.contracts.errors import EXIT_BAD_INPUT, EXIT_NOT_RUNNING, EXIT_OK, SentineldError
+from sentineld.cliargs import SentineldGroup, fail, run_dir_of, safe_state_dir
+from sentineld.contracts.errors import EXIT_NOT_RUNNING, EXIT_OK, NoDaemon
 from sentineld.contracts.rundir import make_private_dir
-from sentineld.daemon.daemon_config import ConfigError, default_state_dir, load_config
+from sentineld.daemon.daemon_config import ConfigError, load_config
 from sentineld.preflight.command import preflight
 from sentineld.regress.command import regress
 from sentineld.replay.main import replay_options, run_replay
@@ -43,12 +44,7 @@ def _setup_logging(verbose: bool) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
-def _fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
-    click.echo(f"sentineld: {message}", err=True)
-    sys.exit(code)
-
-
-@click.group()
+@click.group(cls=SentineldGroup)
 @click.version_option(package_name="sentineld")
 def cli() -> None:
     """sentineld: a watchdog for PyTorch training runs."""
@@ -76,12 +72,9 @@ def _daemon_options(fn: Any) -> Any:
 
 def _load(config_path: str | None, runs_dir: str | None, state_dir: str | None, notify: tuple[str, ...],
           alertmanager_url: str | None, metrics_port: int | None, no_replay: bool) -> Any:
-    try:
-        return load_config(config_path, runs_dir=runs_dir, state_dir=state_dir,
-                           notify=notify or None, alertmanager_url=alertmanager_url,
-                           metrics_port=metrics_port, replay=False if no_replay else None)
-    except ConfigError as exc:
-        _fail(str(exc))
+    return load_config(config_path, runs_dir=runs_dir, state_dir=state_dir,  # ConfigError: exit 2
+                       notify=notify or None, alertmanager_url=alertmanager_url,
+                       metrics_port=metrics_port, replay=False if no_replay else None)
 
 
 @cli.command()
@@ -99,20 +92,15 @@ def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, 
 
     bad = [i for i, u in enumerate(cfg.notify) if not valid_url(u)]
     if bad:
-        _fail(f"--notify URL #{bad[0] + 1} is not a URL apprise understands (see apprise's URL list)")
+        fail(f"--notify URL #{bad[0] + 1} is not a URL apprise understands (see apprise's URL list)")
     if foreground:
         _setup_logging(verbose)
-        try:
+        try:  # a runs dir that is a file, a state dir we cannot create: SentineldError, its exit code
             Daemon(cfg).run()
         except AlreadyRunning as exc:
-            _fail(str(exc), EXIT_OK)
-        except SentineldError as exc:  # a runs dir that is a file, a state dir we cannot create
-            _fail(str(exc), exc.exit_code)
+            fail(str(exc), EXIT_OK)
         return
-    try:
-        make_private_dir(cfg.state_dir)  # missing parents 0700 too (~/.local/state): nothing of ours world-readable
-    except SentineldError as exc:
-        _fail(str(exc))
+    make_private_dir(cfg.state_dir)  # missing parents 0700 too (~/.local/state): nothing of ours world-readable
     pid = daemon_pid(cfg.state_dir)
     if pid is not None:
         click.echo(f"sentineld daemon already running (pid {pid}), state dir {cfg.state_dir}")
@@ -142,12 +130,12 @@ def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, 
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            _fail(f"daemon exited at start (code {proc.returncode}); see {log_path}")
+            fail(f"daemon exited at start (code {proc.returncode}); see {log_path}")
         if daemon_pid(cfg.state_dir) == proc.pid and (cfg.state_dir / "status.json").exists():
             click.echo(f"sentineld daemon started (pid {proc.pid}) watching {cfg.runs_dir}; log {log_path}")
             return
         time.sleep(0.1)
-    _fail(f"daemon did not report ready in 15 s; see {log_path}")
+    fail(f"daemon did not report ready in 15 s; see {log_path}")
 
 
 @cli.command()
@@ -161,7 +149,7 @@ def stop(state_dir: str | None, grace_period: float) -> None:
     sd = Path(state_dir) if state_dir else load_config().state_dir
     pid = daemon_pid(sd)
     if pid is None or pid <= 0:
-        _fail(f"no daemon running with state dir {sd}", EXIT_NOT_RUNNING)
+        raise NoDaemon(f"no daemon running with state dir {sd}")
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_period
     while time.monotonic() < deadline:
@@ -180,7 +168,7 @@ def status(state_dir: str | None, as_json: bool) -> None:
     """Show whether the daemon runs, what it watches, alerts sent and replays run."""
     from sentineld.daemon.statedir import daemon_pid, read_status  # noqa: PLC0415
 
-    sd = Path(state_dir) if state_dir else _safe_state_dir()
+    sd = Path(state_dir) if state_dir else safe_state_dir()
     pid = daemon_pid(sd) if sd.exists() else None
     st = read_status(sd) if sd.exists() else None
     if as_json:
@@ -212,13 +200,6 @@ def status(state_dir: str | None, as_json: bool) -> None:
     sys.exit(EXIT_OK if pid is not None else EXIT_NOT_RUNNING)
 
 
-def _safe_state_dir() -> Path:
-    try:
-        return load_config().state_dir
-    except ConfigError:
-        return default_state_dir()
-
-
 @cli.command()
 @click.option("--runs-dir", type=click.Path(file_okay=False), default=None,
               help="Runs dir to list (default: the one the running daemon watches, else "
@@ -231,7 +212,7 @@ def runs(runs_dir: str | None, state_dir: str | None, as_json: bool) -> None:
     if runs_dir is None:  # with a daemon running, list what it watches
         from sentineld.daemon.statedir import daemon_pid, read_status  # noqa: PLC0415
 
-        sd = Path(state_dir) if state_dir else _safe_state_dir()
+        sd = Path(state_dir) if state_dir else safe_state_dir()
         st = read_status(sd) if sd.is_dir() and daemon_pid(sd) is not None else None
         if st and isinstance(st.get("runs_dir"), str):
             runs_dir = st["runs_dir"]
@@ -251,10 +232,10 @@ def runs(runs_dir: str | None, state_dir: str | None, as_json: bool) -> None:
                 err = None
             except RunDirError as exc:
                 meta, err = None, str(exc)
-            nonfinite = sum(1 for q in rw.records.values() for r in q if r.nonfinite)
-            rows.append({"run_id": meta.run_id if meta else d.name, "dir": str(d), "ranks": sorted(rw.tails),
-                         "last_step": max(rw.last_step.values(), default=None),
-                         "state": ",".join(sorted(set(rw.ended.values()))) or ("running" if rw.tails else "-"),
+            nonfinite = sum(1 for rk in rw.ranks.values() for r in rk.records if r.nonfinite)
+            rows.append({"run_id": meta.run_id if meta else d.name, "dir": str(d), "ranks": sorted(rw.ranks),
+                         "last_step": rw.last_step,
+                         "state": ",".join(sorted(set(rw.ended.values()))) or ("running" if rw.ranks else "-"),
                          "nonfinite_steps_in_window": nonfinite,
                          "captures": [p.name for *_x, p in list_captures(d)], "error": err or rw.error})
         except Exception as exc:  # noqa: BLE001 - whatever another process left there
@@ -288,36 +269,17 @@ def recover(run: str, runs_dir: str | None) -> None:
     leaves ``ring-rank<R>-<pid>/`` behind; the daemon recovers it on its own, this does it
     without a daemon. Rings of live processes are left alone.
     """
-    from sentineld.contracts.rundir import RunDirError  # noqa: PLC0415
     from sentineld.daemon.ring_recovery import recover_run  # noqa: PLC0415
 
+    run_dir = run_dir_of(run, runs_dir)  # RunDirError: exit 2
     try:
-        run_dir = _run_dir(run, runs_dir)
         caps = recover_run(run_dir, who="sentineld recover")
-    except RunDirError as exc:
-        _fail(str(exc))
     except OSError as exc:
-        _fail(f"cannot write the crash capture: {exc}")
+        fail(f"cannot write the crash capture: {exc}")
     for c in caps:
         click.echo(str(c))
     if not caps:
         click.echo(f"no on-disk ring of a dead process in {run_dir}")
-
-
-def _run_dir(run: str, runs_dir: str | None) -> Path:
-    """RUN as a directory: a path, or an id under --runs-dir / the configured runs dir.
-
-    Raises:
-        RunDirError: neither exists.
-    """
-    from sentineld.contracts.rundir import resolve_run  # noqa: PLC0415
-
-    if runs_dir is None:
-        try:
-            runs_dir = str(load_config().runs_dir)
-        except ConfigError:
-            runs_dir = None
-    return resolve_run(run, runs_dir)
 
 
 # --------------------------------------------------------------------- replay
@@ -365,7 +327,7 @@ def demo(fault: str, runs_dir: str | None, notify: tuple[str, ...], epochs: int,
     try:  # the data set comes with scikit-learn, an optional dependency (the `demo` extra)
         import sklearn  # noqa: F401, PLC0415
     except ImportError as exc:
-        _fail(f"the demo needs scikit-learn (its handwritten digits data set), which is not importable "
+        fail(f"the demo needs scikit-learn (its handwritten digits data set), which is not importable "
               f"({exc}); install it with: pip install 'sentineld[demo]'  (or: pip install scikit-learn)")
     from sentineld.demo import run_demo  # noqa: PLC0415
 

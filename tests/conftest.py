@@ -63,7 +63,7 @@ class SmtpInbox:
         self.messages: list[tuple[float, Any]] = []
         self.lock = threading.Lock()
 
-    async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:  # noqa: N802
+    async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:
         msg = message_from_bytes(envelope.content, policy=default_policy)
         with self.lock:
             self.messages.append((time.monotonic(), msg))
@@ -109,7 +109,7 @@ def http_sink() -> Iterator[tuple[int, HttpSink]]:
     sink = HttpSink()
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             n = int(self.headers.get("Content-Length", 0))
             raw = self.rfile.read(n)
             try:

@@ -130,7 +130,7 @@ def write_step(group: Any, st: CaptureStep | EncodedStep) -> None:
     a batch leaf that cannot be stored is replaced by a note (:func:`~sentineld.contracts.capture_data.storable`)."""
     try:
         _write_tree(group.create_group("batch"), st.batch)
-    except Exception as exc:  # noqa: BLE001 - TreeCodecError, or a tensor layout numpy cannot take
+    except Exception as exc:  # TreeCodecError, or a tensor layout numpy cannot take
         if isinstance(st.batch, EncodedTree):
             raise
         log.warning("sentineld: step %s: batch stored without what a capture cannot hold (%s)",

@@ -6,6 +6,11 @@ been read back. It is written as one JSON line to the run's metrics stream
 of them.
 
 Units are in the field names (``_s`` = seconds). Floats may be ``nan``/``inf``: that is the point.
+
+The stream's other lines are typed here too, each with its ``kind``: :class:`StartLine` (the
+process began), :class:`EndLine` (it finished, crashed or was stopped) and :class:`AgentNotice`
+(the agent switched itself off, or a capture was not written). The agent writes them with
+``to_json()``; readers match a line's ``kind`` against these constants, never a bare string.
 """
 
 from __future__ import annotations
@@ -14,7 +19,13 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["StepRecord", "LayerStats", "record_from_json", "record_to_json"]
+__all__ = ["StepRecord", "LayerStats", "record_from_json", "record_to_json", "STEP", "START", "END",
+           "AGENT_ERROR", "AGENT_WARNING", "AGENT_NOTICES", "StartLine", "EndLine", "AgentNotice"]
+
+#: The ``kind`` of each stream line.
+STEP, START, END, AGENT_ERROR, AGENT_WARNING = "step", "start", "end", "agent_error", "agent_warning"
+#: What the agent says about itself: ``agent_error`` (it switched off), ``agent_warning``.
+AGENT_NOTICES = (AGENT_ERROR, AGENT_WARNING)
 
 
 @dataclass(frozen=True)
@@ -103,7 +114,7 @@ def record_to_json(record: StepRecord) -> dict[str, Any]:
     # Field by field, not dataclasses.asdict: this runs every step in the training process and
     # asdict's recursive deep copy cost ~0.1 ms of it (our measurement).
     out = {f: getattr(record, f) for f in _SCALAR_FIELDS}
-    out["kind"] = "step"
+    out["kind"] = STEP
     if record.layers is not None:
         out["layers"] = {name: asdict(stats) for name, stats in record.layers.items()}
     return out
@@ -131,3 +142,49 @@ def record_from_json(obj: Mapping[str, Any]) -> StepRecord:
             if isinstance(stats, Mapping)
         }
     return StepRecord(step=step, loss=loss, **kwargs)
+
+
+@dataclass(frozen=True)
+class StartLine:
+    """A rank's process began writing the stream (``time_s``: wall clock, seconds)."""
+
+    run_id: str
+    rank: int
+    pid: int
+    host: str
+    time_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": START, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class EndLine:
+    """The rank ended: ``reason`` (``finished``, ``crashed``, ...), after ``steps`` steps."""
+
+    reason: str
+    steps: int
+    time_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": END, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class AgentNotice:
+    """The agent about itself: ``kind`` is :data:`AGENT_ERROR` (it switched off) or
+    :data:`AGENT_WARNING`; ``step`` where it happened, None when no step applies."""
+
+    kind: str
+    message: str
+    step: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in AGENT_NOTICES:
+            raise ValueError(f"an agent notice's kind is one of {AGENT_NOTICES}, got {self.kind!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "message": self.message}
+        if self.step is not None:
+            out["step"] = self.step
+        return out

@@ -56,7 +56,7 @@ class RunMeta:
 
     Attributes:
         run_id: the run's name (letters, digits, ``._-``; at most 128 characters).
-        recipe: ``"module:function"`` returning a :class:`sentineld.contracts.recipe.Recipe`, imported by the
+        recipe: ``"module:function"`` returning a :class:`sentineld.recipe.Recipe`, imported by the
             replay from ``cwd``; None when the run gave none (replay then needs ``--recipe``).
         recipe_args: keyword arguments (JSON values) the replay passes to the recipe function.
         python: interpreter that ran training (the replay runs with the same one).

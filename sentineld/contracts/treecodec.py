@@ -17,11 +17,14 @@ import math
 import types
 from typing import Any, Callable, Mapping
 
+from .errors import BadInput
+
 __all__ = ["TreeCodecError", "encode", "decode", "map_tensors"]
 
 
-class TreeCodecError(ValueError):
-    """A value in the tree has no JSON form (the message names its path) or the JSON is malformed."""
+class TreeCodecError(BadInput, ValueError):
+    """A value in the tree has no JSON form (the message names its path) or the JSON is malformed.
+    Bad input (exit code 2), and a ``ValueError`` for the callers that catch that."""
 
 
 def _is_tensor(x: Any) -> bool:

@@ -47,8 +47,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 __all__ = ["REPORT_SCHEMA_VERSION", "CAUSE_CLASSES", "VERDICT_KINDS", "REPRODUCIBILITY_CLASSES",
-           "OUTSIDE_MODEL", "Report", "report_problems",
-           "render_text", "notification_text"]
+           "OUTSIDE_MODEL", "PHASES", "Finding", "Replayed", "Report", "make_report", "verdict_outcome",
+           "report_problems", "is_verdict", "render_text", "notification_text"]
+
+#: A verdict's ``phase``: where in the step the first non-finite value was made (``none``: nowhere).
+PHASES = ("data", "forward", "backward", "optimizer", "none")
 
 #: 2: ``where`` and ``cause_class`` added; ``module`` is null outside the model (was ``"loss"`` /
 #: ``"lr_scheduler"``); a backward ``op`` is the forward op (was the derivative's primitive).
@@ -104,6 +107,48 @@ REPRODUCIBILITY_CLASSES: dict[str, str] = {
 }
 
 
+@dataclass(frozen=True)
+class Finding:
+    """What localizing one step found: the phase that went wrong, where and why, with the
+    evidence. Each localizer (``replay.localize``, ``replay.forward_only``) returns one; the
+    verdict is made from it once, by :func:`make_report`. Fields as in :class:`Report`."""
+
+    step: int
+    phase: str = "none"
+    module: str | None = None
+    where: str | None = None
+    module_type: str | None = None
+    op: str | None = None
+    autograd_node: str | None = None
+    parameters: list[str] = field(default_factory=list)
+    cause_class: str = ""
+    cause: str = ""
+    fix: str = ""
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """A replay's result before it is a verdict: the step it localized (``found``), what the
+    rebuild showed, and the evidence it adds (rebuilt losses, precision, settings in effect).
+    Fields as in :class:`Report`."""
+
+    found: Finding
+    requested_step: int
+    reproduced: bool
+    rank: int = 0
+    capture: str = ""
+    max_loss_deviation: float = 0.0
+    steps_rebuilt: int = 0
+    recorded_nonfinite: bool = False
+    elapsed_s: float = 0.0
+    rebuild_s: float = 0.0
+    localize_s: float = 0.0
+    ranks: list[int] = field(default_factory=list)
+    loss_tolerance: float = 0.0
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class Report:
     """Where the first non-finite value of a run was made, with the evidence."""
@@ -149,14 +194,51 @@ class Report:
         return json.dumps(_strict(asdict(self)), indent=2, sort_keys=True)
 
 
-def report_problems(report: Mapping[str, Any]) -> list[str]:
-    """What is wrong with a verdict's JSON object against this schema (empty: nothing).
+def make_report(r: Replayed, run_id: str, *, evidence: Mapping[str, Any] | None = None,
+                elapsed_s: float | None = None) -> Report:
+    """The verdict of run ``run_id`` from what its replay found: the one place a :class:`Report`
+    is made.
 
-    Checks the fields this module defines the meaning of: ``module`` is a string or null,
-    ``where`` a string (required when ``module`` is null in ``forward`` / ``backward``),
-    ``cause_class`` one of :data:`CAUSE_CLASSES` (or empty in a verdict that names no cause).
+    Args:
+        r: the replay's result.
+        evidence: entries the caller adds (a partial DDP replay, the training process's own run).
+        elapsed_s: the whole time the caller took, seconds (default the replay's own).
     """
-    out = []
+    f = r.found
+    return Report(run_id=run_id, rank=r.rank, step=f.step, requested_step=r.requested_step, phase=f.phase,
+                  module=f.module, where=f.where, module_type=f.module_type, op=f.op, autograd_node=f.autograd_node,
+                  parameters=list(f.parameters), reproduced=r.reproduced, max_loss_deviation=r.max_loss_deviation,
+                  steps_rebuilt=r.steps_rebuilt, recorded_nonfinite=r.recorded_nonfinite, cause_class=f.cause_class,
+                  cause=f.cause, fix=f.fix, evidence={**f.evidence, **r.evidence, **(evidence or {})},
+                  capture=r.capture, elapsed_s=r.elapsed_s if elapsed_s is None else elapsed_s,
+                  rebuild_s=r.rebuild_s, localize_s=r.localize_s, ranks=list(r.ranks),
+                  loss_tolerance=r.loss_tolerance)
+
+
+def verdict_outcome(report: Mapping[str, Any]) -> str:
+    """What a verdict says, in one word (the daemon's ``result`` and metric label): ``localized``
+    (a phase named), ``not_localized`` (reproduced, every value finite) or ``not_reproduced``
+    (the rebuilt losses differ from the recorded ones). A finite loss spike's verdict
+    (``kind: "spike"``) names a cause, not a phase: localized unless its cause is not_reproduced."""
+    if report.get("kind") == "spike":
+        return "not_reproduced" if report.get("cause_class") == "not_reproduced" else "localized"
+    if not report.get("reproduced", False):
+        return "not_reproduced"
+    return "not_localized" if report.get("phase") == "none" else "localized"
+
+
+def report_problems(report: Any, run_id: str | None = None) -> list[str]:
+    """What is wrong with a verdict's JSON object against this schema (empty: nothing). The one
+    validator (:func:`is_verdict` is its shape part).
+
+    Checks the shape (:func:`is_verdict`) and the fields this module defines the meaning of:
+    ``module`` is a string or null, ``where`` a string (required when ``module`` is null in
+    ``forward`` / ``backward``), ``cause_class`` one of :data:`CAUSE_CLASSES` (or empty in a
+    verdict that names no cause).
+    """
+    out = _shape_problems(report, run_id)
+    if not isinstance(report, Mapping):
+        return out
     module, where, cls = report.get("module"), report.get("where"), report.get("cause_class", "")
     if module is not None and not isinstance(module, str):
         out.append(f"module must be a qualified module name or null, got {module!r}")
@@ -166,6 +248,30 @@ def report_problems(report: Mapping[str, Any]) -> list[str]:
         out.append("a forward/backward verdict with module null must say where (the 'where' field)")
     if cls and cls not in CAUSE_CLASSES:
         out.append(f"cause_class {cls!r} is none of {sorted(CAUSE_CLASSES)}")
+    return out
+
+
+def is_verdict(report: Any, run_id: str) -> bool:
+    """True when ``report`` has the shape of a verdict of run ``run_id``: what the daemon asks of a
+    replay subprocess's output before it delivers it. The shape only: a replay that runs with the
+    run's own interpreter may be another sentineld release, naming a cause class this one lacks."""
+    return not _shape_problems(report, run_id)
+
+
+def _shape_problems(report: Any, run_id: str | None) -> list[str]:
+    """An object; ``schema_version`` and ``step`` integers, ``phase`` one of :data:`PHASES`,
+    ``reproduced`` a bool; ``run_id`` equal to ``run_id`` when given."""
+    if not isinstance(report, Mapping):
+        return [f"a verdict is a JSON object, got {type(report).__name__}"]
+    out = []
+    for name, types in (("schema_version", int), ("step", int), ("reproduced", bool)):
+        v = report.get(name)
+        if not isinstance(v, types) or (types is int and isinstance(v, bool)):
+            out.append(f"{name} must be {types.__name__}, got {v!r}")
+    if report.get("phase") not in PHASES:
+        out.append(f"phase must be one of {PHASES}, got {report.get('phase')!r}")
+    if run_id is not None and report.get("run_id") != run_id:
+        out.append(f"run_id must be {run_id!r}, got {report.get('run_id')!r}")
     return out
 
 

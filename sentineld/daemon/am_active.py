@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from sentineld.daemon.alertmanager import MAX_RESEND_S, Alert, Labels, post_alerts, rfc3339
+from sentineld.daemon.alertmanager import DAEMON_HOLD_S, MAX_RESEND_S, Alert, Labels, post_alerts, rfc3339
 
-__all__ = ["ActiveAlerts", "flush"]
+__all__ = ["ActiveAlerts", "daemon_alerts", "flush"]
 
 
 def _key(labels: Labels) -> tuple[tuple[str, str], ...]:
@@ -190,3 +190,10 @@ def flush(
         post(base_url, due, timeout_s)
         active.mark_sent(due)
     return len(due)
+
+
+def daemon_alerts(url: str | None) -> ActiveAlerts | None:
+    """The daemon's Alertmanager alerts (None without an Alertmanager ``url``): re-sent every
+    60 s, each held :data:`DAEMON_HOLD_S` past its last re-send, so a stopped daemon does not
+    resolve an incident (issue 16)."""
+    return ActiveAlerts(resend_s=60.0, hold_s=DAEMON_HOLD_S) if url else None

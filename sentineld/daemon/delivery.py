@@ -130,6 +130,20 @@ class SecretFilter(logging.Filter):
     def __init__(self, secrets: Iterable[str]) -> None:
         super().__init__()
         self.secrets = sorted({s for s in secrets if s}, key=len, reverse=True)
+        self._installed: list[logging.Handler] = []
+
+    def install(self) -> None:
+        """Add this filter to every root handler that lacks it (call again for handlers added
+        since); :meth:`uninstall` takes it off them."""
+        for h in logging.getLogger().handlers:
+            if self not in h.filters:
+                h.addFilter(self)
+                self._installed.append(h)
+
+    def uninstall(self) -> None:
+        for h in self._installed:
+            h.removeFilter(self)
+        self._installed = []
 
     def scrub(self, text: str) -> str:
         """``text`` with every secret replaced by ``****``."""

@@ -17,18 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from sentineld.contracts.rundir import RunMeta, parse_capture_name
+from sentineld.contracts.verdict import verdict_outcome
 from sentineld.contracts.verdict_file import LOCALIZED_TRIGGERS
 
 from .replay_runner import ReplayOutcome
 from .verdict_accept import IgnoredVerdicts, read_verdict_file
 
 __all__ = ["InProcessVerdicts"]
-
-
-def _classify(report: dict[str, Any]) -> str:
-    if not report.get("reproduced", False):
-        return "not_reproduced"
-    return "not_localized" if report.get("phase") == "none" else "localized"
 
 
 def _alive(meta: RunMeta) -> bool:
@@ -78,7 +73,7 @@ class InProcessVerdicts:
         if isinstance(payload.get("phase"), str) and "schema_version" in payload:
             self.first_seen.pop(key, None)
             elapsed = float(payload.get("elapsed_s") or 0.0)
-            return "deliver", ReplayOutcome(_classify(payload), payload, "", elapsed, 0)
+            return "deliver", ReplayOutcome(verdict_outcome(payload), payload, "", elapsed, 0)
         return self._fallback(meta, key, f"the training process's localization failed: "
                                          f"{str(payload.get('reason', payload))[:1500]}")
 

@@ -20,19 +20,23 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from sentineld.contracts.ringformat import ring_state
 from sentineld.contracts.rundir import RunMeta
 from sentineld.contracts.safeio import read_json
+from sentineld.daemon.am_incident import no_recipe_outcome, verdict_may_come
 from sentineld.daemon.daemon_config import DaemonConfig
 from sentineld.daemon.delivery import SecretFilter, deliver_due
 from sentineld.daemon.inprocess import InProcessVerdicts
+from sentineld.daemon.metrics import DaemonMetrics
 from sentineld.daemon.notifier import Notifier
+from sentineld.daemon.outbox import notification_id
 from sentineld.daemon.replay_queue import FairQueue
 from sentineld.daemon.replay_runner import ReplayOutcome, run_replay_subprocess
 from sentineld.daemon.ring_recovery import MAX_RING_META_BYTES, recover_ring
 from sentineld.daemon.runwatch import RunWatch
+from sentineld.daemon.statedir import write_json_atomic
 from sentineld.daemon.watcher import DirtyRuns
 
 __all__ = ["Stats", "guard", "LoopThread", "DeliveryThread", "ReplayThread", "RecoverThread",
@@ -54,6 +58,7 @@ class Stats:
     replays_run: int = 0
     rings_recovered: int = 0
     delivery_failures: int = 0
+    stale_temps_removed: int = 0
 
 
 def guard(fn: Callable[[], None], stop: threading.Event) -> None:
@@ -62,7 +67,7 @@ def guard(fn: Callable[[], None], stop: threading.Event) -> None:
         try:
             fn()
             return
-        except Exception:  # noqa: BLE001 - a bug in one loop must not end the watch
+        except Exception:  # a bug in one loop must not end the watch
             log.exception("daemon loop %s failed; restarting it in 1 s", getattr(fn, "__name__", fn))
             stop.wait(1.0)
 
@@ -90,7 +95,7 @@ class DeliveryThread(LoopThread):
     """Deliver due notifications every second, or at once when woken."""
 
     def __init__(self, stop: threading.Event, cfg: DaemonConfig, notifier: Notifier, log_path: Path,
-                 secrets: SecretFilter, stats: Stats, metrics: dict[str, Any]) -> None:
+                 secrets: SecretFilter, stats: Stats, metrics: DaemonMetrics) -> None:
         super().__init__("delivery", stop)
         self.cfg, self.notifier, self.log_path = cfg, notifier, log_path
         self.secrets, self.stats, self.metrics = secrets, stats, metrics
@@ -104,29 +109,25 @@ class DeliveryThread(LoopThread):
             self.stats.resent_in_doubt += res.resent
             self.stats.alerts_sent += res.delivered
             self.stats.delivery_failures += res.failed
-            if self.metrics:
-                if res.failed:
-                    self.metrics["failures"].inc(res.failed)
-                for sig, count in res.by_signature.items():
-                    self.metrics["sent"].labels(sig).inc(count)
-                self.metrics["pending"].set(n.outbox.pending_count())
+            self.metrics.delivered(res.failed, res.by_signature, n.outbox.pending_count)
             n.am_flush(self.cfg.alertmanager_url or "")
             n.delivery_wake.wait(1.0)
             n.delivery_wake.clear()
 
 
 class ReplayThread(LoopThread):
-    """Replay queued captures one at a time; ``finish(rw, cap, outcome, record)`` takes each result.
+    """Replay queued captures one at a time; each outcome is notified, counted, and kept as the
+    capture's replay record in ``records_dir`` (its existence means "replayed").
 
     Args:
-        record_of: path of a capture's replay record (its existence means "replayed").
+        records_dir: the state dir's ``replays/`` (also the replays' scratch dir).
     """
 
-    def __init__(self, stop: threading.Event, cfg: DaemonConfig, scratch: Path,
-                 record_of: Callable[[RunWatch, Path], Path],
-                 finish: Callable[[RunWatch, Path, ReplayOutcome, Path], None]) -> None:
+    def __init__(self, stop: threading.Event, cfg: DaemonConfig, records_dir: Path, notifier: Notifier,
+                 stats: Stats, metrics: DaemonMetrics) -> None:
         super().__init__("replay", stop)
-        self.cfg, self.scratch, self.record_of, self.finish = cfg, scratch, record_of, finish
+        self.cfg, self.scratch = cfg, records_dir
+        self.notifier, self.stats, self.metrics = notifier, stats, metrics
         # round robin over runs: a run flooding captures delays another by one replay (replay_queue)
         self.jobs: FairQueue[tuple[RunWatch, Path]] = FairQueue()
         # Captures queued or running; one cut short by the daemon's own shutdown leaves it, to
@@ -168,6 +169,22 @@ class ReplayThread(LoopThread):
                 self.queued.discard(f"{rw.incident_scope}|{cap}")
                 return  # cut short by our own shutdown: it runs again after a restart
             self.finish(rw, cap, outcome, record)
+
+    def record_of(self, rw: RunWatch, cap: Path) -> Path:
+        """The replay record of capture ``cap`` of ``rw``."""
+        return self.scratch / f"{notification_id(rw.incident_scope, cap.name)}.json"
+
+    def finish(self, rw: RunWatch, cap: Path, outcome: ReplayOutcome, record: Path) -> None:
+        """Hand on the outcome of replaying ``cap``: notified, counted, recorded in ``record``."""
+        if rw.meta is not None:  # always set here: the replay thread skips runs without run.json
+            outcome = no_recipe_outcome(rw.run_id, rw.meta.recipe, outcome, verdict_may_come(rw.meta.extra))
+        self.stats.replays_run += 1
+        self.metrics.replay_finished(outcome.result)
+        self.notifier.verdict(rw, cap, outcome)
+        write_json_atomic(record, {"capture": str(cap), "result": outcome.result,
+                                   "elapsed_s": outcome.elapsed_s, "exit_code": outcome.exit_code,
+                                   "reason": outcome.reason, "report": outcome.report})
+        log.info("run %s: replay %s -> %s in %.1f s", rw.run_id, cap.name, outcome.result, outcome.elapsed_s)
 
     def _in_process_verdict(self, rw: RunWatch, meta: RunMeta, cap: Path, record: Path) -> bool:
         """True when the training process's own verdict for ``cap`` was handed on, or is still

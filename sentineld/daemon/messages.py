@@ -11,6 +11,7 @@ import math
 from typing import Any, Iterable, Mapping
 
 from sentineld.contracts.nonfinite import INPUT_REASON
+from sentineld.contracts.records import AGENT_ERROR
 from sentineld.contracts.render import replay_command
 
 __all__ = ["alert_text", "recovery_text", "replay_failed_text", "agent_notice_text", "nonfinite_causes",
@@ -147,7 +148,7 @@ def agent_notice_text(run: str, rank: int, kind: str, step: int, message: str) -
     that a capture was not written (a full disk): the incident's replay cannot run.
     """
     at = f" at step {step}" if step >= 0 else ""
-    if kind == "agent_error":
+    if kind == AGENT_ERROR:
         return (f"[sentineld] monitoring stopped in run {run} (rank {rank})",
                 f"The agent in run {run}, rank {rank}, switched itself off{at}: {message}\n"
                 "Training goes on unwatched: no more alerts or captures for this rank. Fix the cause "

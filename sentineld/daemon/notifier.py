@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from sentineld.contracts.capture import CaptureError, open_capture
+from sentineld.contracts.records import AGENT_ERROR
 from sentineld.contracts.render import replay_command
 from sentineld.contracts.rundir import parse_capture_name
+from sentineld.contracts.triggers import CRASH
 from sentineld.contracts.verdict import notification_text
 from sentineld.daemon.am_incident import (
     EXTRA_SIGNATURES,
@@ -110,16 +112,25 @@ class Notifier:
 
     def agent_notices(self, rw: RunWatch) -> None:
         """Page what the agent said about itself (switched off, a capture not written); each once."""
-        notices, rw.notices = rw.notices, []
-        for rank, kind, step, message in notices:
+        for rank, kind, step, message in rw.take_notices():
             text = agent_notice_text(rw.run_id, rank, kind, step, message)
             if text is None:
                 continue
             nid = notification_id(rw.incident_scope, kind, rank, step, message[:200])
             self.enqueue(Notification(id=nid, kind="alert", title=text[0], body=text[1], severity="warning",
-                                      run=rw.run_id, signature="agent_stopped" if kind == "agent_error"
+                                      run=rw.run_id, signature="agent_stopped" if kind == AGENT_ERROR
                                       else "capture_failed", step=step if step >= 0 else None,
                                       data={"rank": rank, "message": message}))
+
+    def status(self) -> dict[str, Any]:
+        """Its part of the daemon's ``status.json``."""
+        return {"alerts_pending": self.outbox.pending_count(), "notify": [d.shown for d in self.dests],
+                "alerts_unwritten": len(self.unwritten), "state_write_error": self.write_error}
+
+    def state_write_failed(self, what: str) -> None:
+        """The daemon could not write ``what`` (progress, status) to its state dir: shown in
+        ``status`` (``state_write_error``) until the next notification written clears it."""
+        self.write_error = what
 
     def retry_unwritten(self) -> None:
         """Write the notifications held in memory since a failed write, oldest first."""
@@ -157,6 +168,13 @@ class Notifier:
         self.am_fire(rw, a, *alert_text(rw.run_id, a.ranks, a.signature, a.severity, a.step,
                                         a.message, a.numbers, a.fix, a.module, self.host_of(rw),
                                         run_dir=str(rw.run_dir)))
+
+    def crashes(self, rw: RunWatch, caps: Sequence[Path]) -> None:
+        """Alert each crash capture among the new captures ``caps`` of ``rw``."""
+        for cap in caps:
+            parsed = parse_capture_name(cap.name)
+            if parsed is not None and parsed[2] == CRASH:
+                self.crash_alert(rw, cap, parsed[0], parsed[1])
 
     def crash_alert(self, rw: RunWatch, cap: Path, rank: int, step: int) -> None:
         """A training process died (exception, SIGTERM, SIGKILL with the disk ring): say so, with

@@ -39,12 +39,14 @@ Rules (all from the design; ``sentineld.daemon.service`` carries them out):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, TypeVar
 
 from sentineld.contracts.nonfinite import REARM_STEPS
 
 __all__ = ["Active", "Decision", "merge_verdicts", "transitions", "decide", "due_holds",
            "active_from_dict"]
+
+K = TypeVar("K")
 
 
 @dataclass
@@ -232,6 +234,7 @@ def _clear(out: Decision, key: str, held_now: set[str]) -> None:
         out.recovered.append(a)
 
 
-def due_holds(held: Mapping[tuple[str, str], float], now_s: float) -> list[tuple[str, str]]:
-    """The held ``(run, key)`` alerts whose grace ended at ``now_s``, in hold order."""
+def due_holds(held: Mapping[K, float], now_s: float) -> list[K]:
+    """The held alerts (keys of ``held``, each mapped to its deadline) whose grace ended at
+    ``now_s``, in hold order."""
     return [k for k, deadline in held.items() if now_s >= deadline]

@@ -31,6 +31,7 @@ from typing import Any
 
 from sentineld.contracts.rundir import RunMeta
 from sentineld.contracts.trust import REPLAY_PATH_ENV, UntrustedError, check_interpreter, untrusted_reason
+from sentineld.contracts.verdict import is_verdict, verdict_outcome
 
 __all__ = ["ReplayOutcome", "run_replay_subprocess", "SCRUBBED_ENV"]
 
@@ -91,10 +92,6 @@ def _memory_hint(text: str) -> bool:
                                    "std::bad_alloc", "DefaultCPUAllocator"))
 
 
-#: The replay verdict's phases (replay/report.py); anything else is not a verdict.
-VERDICT_PHASES = ("data", "forward", "backward", "optimizer", "none")
-
-
 def refusal(meta: RunMeta, run_dir: Path, capture: Path) -> tuple[str, str]:
     """Whether the daemon may start a replay of this run: ``(python, "")`` or ``("", reason)``.
 
@@ -110,13 +107,6 @@ def refusal(meta: RunMeta, run_dir: Path, capture: Path) -> tuple[str, str]:
     except (UntrustedError, OSError) as exc:
         return "", f"refused: the interpreter run.json names is not trusted ({exc})"
     return python, ""
-
-
-def is_verdict(report: Any, run_id: str) -> bool:
-    """True when ``report`` has the shape of a replay verdict of run ``run_id`` (replay/report.py)."""
-    return (isinstance(report, dict) and isinstance(report.get("schema_version"), int)
-            and report.get("phase") in VERDICT_PHASES and isinstance(report.get("reproduced"), bool)
-            and report.get("run_id") == run_id and isinstance(report.get("step"), int))
 
 
 def run_replay_subprocess(meta: RunMeta, run_dir: Path, capture: Path, *, timeout_s: float,
@@ -189,12 +179,4 @@ def run_replay_subprocess(meta: RunMeta, run_dir: Path, capture: Path, *, timeou
         elif proc.returncode is not None and proc.returncode < 0:
             why = f"killed by signal {-proc.returncode} (memory limit {limit}): {why}"
         return ReplayOutcome("failed", None, why[-1500:], elapsed, proc.returncode)
-    if report.get("kind") == "spike":  # a finite loss spike's verdict names a cause, not a phase
-        result = "not_reproduced" if report.get("cause_class") == "not_reproduced" else "localized"
-    elif not report.get("reproduced", False):
-        result = "not_reproduced"
-    elif report.get("phase") == "none":
-        result = "not_localized"
-    else:
-        result = "localized"
-    return ReplayOutcome(result, report, "", elapsed, proc.returncode)
+    return ReplayOutcome(verdict_outcome(report), report, "", elapsed, proc.returncode)

@@ -11,15 +11,15 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections import deque
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from sentineld.contracts.nonfinite import is_nonfinite, recovered_at
-from sentineld.contracts.records import StepRecord, record_from_json
+from sentineld.contracts.nonfinite import recovered_at
+from sentineld.contracts.records import StepRecord
 from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, read_run_meta
-from sentineld.contracts.stream import CHUNK_BYTES, StreamTail, read_lines
+from sentineld.daemon.rankwatch import AgentNote, RankWatch, as_int
 from sentineld.daemon.statedir import read_state_json, write_json_atomic
 
 __all__ = ["RunWatch", "save_progress", "load_progress", "stale_temp_captures", "STALE_TMP_AGE_S",
@@ -28,31 +28,11 @@ __all__ = ["RunWatch", "save_progress", "load_progress", "stale_temp_captures", 
 log = logging.getLogger("sentineld.daemon")
 
 
-def _as_int(v: Any, default: int = 0) -> int:
-    try:
-        return int(v)
-    except (TypeError, ValueError, OverflowError):
-        return default
-
-
-def _parse_record(obj: dict[str, Any]) -> StepRecord | None:
-    """A StepRecord from a stream line, or None when a field has the wrong type."""
-    try:
-        rec = record_from_json(obj)
-    except (ValueError, TypeError, OverflowError, AttributeError):
-        return None
-    for name in ("grad_norm", "lr", "loss_scale"):
-        v = getattr(rec, name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            return None
-    if not isinstance(rec.step_s, (int, float)) or not isinstance(rec.time_s, (int, float)):
-        return None
-    return rec
-
-
 @dataclass
 class RunWatch:
-    """State of one watched run. ``error`` holds why its files cannot be read (it is retried).
+    """State of one watched run: its ranks (one :class:`RankWatch` each), ``run.json``, the
+    signatures active, the captures seen. ``error`` holds why its files cannot be read (it is
+    retried).
 
     Streams are read a bounded chunk at a time (:data:`sentineld.contracts.stream.CHUNK_BYTES`) and handed
     out at most ``max_records`` step records per rank per :meth:`poll`, so a daemon catching up
@@ -66,27 +46,16 @@ class RunWatch:
     window: int = 200
     meta: RunMeta | None = None
     error: str | None = None
-    tails: dict[int, StreamTail] = field(default_factory=dict)
-    records: dict[int, deque[StepRecord]] = field(default_factory=dict)
-    last_step: dict[int, int] = field(default_factory=dict)
-    ended: dict[int, str] = field(default_factory=dict)
-    pids: dict[int, int] = field(default_factory=dict)
-    hosts: dict[int, str] = field(default_factory=dict)
+    ranks: dict[int, RankWatch] = field(default_factory=dict)
     active: dict[str, dict[str, Any]] = field(default_factory=dict)
     captures_seen: set[str] = field(default_factory=set)
     agent_errors: list[str] = field(default_factory=list)
-    bad_lines: int = 0
     last_alert_s: dict[str, float] = field(default_factory=dict)
     reported_error: str | None = None
     meta_error: str | None = None
     notices: list[tuple[int, str, int, str]] = field(default_factory=list)  # (rank, kind, step, message)
     replaced: bool = False
     _meta_key: tuple[int, int, int] | None = None
-    _buf: dict[int, deque[tuple[dict[str, Any] | None, int]]] = field(default_factory=dict)
-    _consumed: dict[int, int] = field(default_factory=dict)
-    _starts: dict[int, deque[int]] = field(default_factory=dict)
-    _quiet_until: dict[int, int] = field(default_factory=dict)
-    _last_bad: dict[int, bool] = field(default_factory=dict)
 
     @property
     def run_id(self) -> str:
@@ -103,33 +72,44 @@ class RunWatch:
     @property
     def all_ended(self) -> bool:
         """Every rank wrote its ``end`` record (the run finished, crashed or was stopped)."""
-        return bool(self.tails) and len(self.ended) >= len(self.tails)
+        return bool(self.ranks) and all(rk.ended is not None for rk in self.ranks.values())
+
+    @property
+    def last_step(self) -> int | None:
+        """The latest step any rank recorded (None before the first)."""
+        return max((rk.last_step for rk in self.ranks.values() if rk.last_step is not None), default=None)
+
+    @property
+    def ended(self) -> dict[int, str]:
+        """``{rank: end reason}`` of the ranks that ended."""
+        return {r: rk.ended for r, rk in self.ranks.items() if rk.ended is not None}
+
+    @property
+    def bad_lines(self) -> int:
+        """Damaged stream lines skipped so far, all ranks."""
+        return sum(rk.tail.bad_lines for rk in self.ranks.values())
 
     def recovery_step(self, signature: str, since_step: int, last: int) -> int:
         """The step a recovery notice names: for ``nonfinite``, where its incident (begun at
         ``since_step``) was over, which the notice may follow later; else ``last``."""
         if signature != "nonfinite":
             return last
-        steps = [s for recs in self.records.values() if (s := recovered_at(list(recs), since_step)) is not None]
+        steps = [s for rk in self.ranks.values() if (s := recovered_at(list(rk.records), since_step)) is not None]
         return min(steps, default=last)
 
     @property
     def behind(self) -> bool:
         """True when records are waiting to be handed out (call :meth:`poll` again)."""
-        return any(self._buf.get(r) for r in self.tails) or any(t.behind for t in self.tails.values())
+        return any(rk.behind for rk in self.ranks.values())
 
-    def _add_rank(self, rank: int, offset: int = 0) -> StreamTail:
-        tail = StreamTail(RunDir(self.run_dir).stream(rank))
-        tail.offset = offset
-        self.tails[rank] = tail
-        self.records[rank] = deque(maxlen=self.window)
-        self._starts[rank] = deque(maxlen=self.window)
-        self._buf[rank] = deque()
-        self._consumed[rank] = offset
-        return tail
+    def take_notices(self) -> list[tuple[int, str, int, str]]:
+        """The agent notices read since the last call: ``(rank, kind, step, message)``."""
+        notices, self.notices = self.notices, []
+        return notices
 
     def poll(self, max_records: int | None = None) -> tuple[dict[int, list[StepRecord]], list[Path]]:
-        """Read what is new: ``({rank: new step records}, new capture paths)``.
+        """Read what is new: ``({rank: new step records}, new capture paths)`` (now in
+        ``captures_seen``).
 
         Args:
             max_records: most step records handed out per rank (None: all read so far).
@@ -147,63 +127,36 @@ class RunWatch:
         self._read_meta()
         if self.replaced:
             return new, []  # another run now: the daemon starts a fresh watch of it
+        run_dir = RunDir(self.run_dir)
         for name in names:
             rank = RunDir.stream_rank(name)
-            if rank is not None and rank not in self.tails:
-                self._add_rank(rank)
-        for rank, tail in self.tails.items():
-            buf = self._buf[rank]
-            if not buf:
-                try:
-                    lines = self._read_tail(rank, tail)
-                except OSError as exc:
-                    self.error = f"{tail.path}: {exc}"
-                    continue
-                buf.extend(lines)
-            handed = 0
-            while buf and (max_records is None or handed < max_records):
-                obj, end = buf.popleft()
-                start, self._consumed[rank] = self._consumed[rank], end
-                if obj is None:
-                    tail.bad_lines += 1
-                    continue
-                kind = obj.get("kind")
-                if kind == "step":
-                    rec = _parse_record(obj)
-                    if rec is None:
-                        tail.bad_lines += 1
-                        continue
-                    self.records[rank].append(rec)
-                    self._starts[rank].append(start)
-                    self.last_step[rank] = rec.step
-                    if end > self._quiet_until.get(rank, -1):
-                        new.setdefault(rank, []).append(rec)
-                        handed += 1
-                        bad, was_bad = is_nonfinite(rec), self._last_bad.get(rank, False)
-                        self._last_bad[rank] = bad
-                        if bad and not was_bad and max_records is not None:
-                            break  # an incident may start here: evaluated before more is read
-                elif kind == "start":
-                    self.pids[rank] = _as_int(obj.get("pid"))
-                    self.hosts[rank] = str(obj.get("host", ""))[:255]
-                    self.ended.pop(rank, None)
-                elif kind == "end":
-                    self.ended[rank] = str(obj.get("reason", "finished"))[:100]
-                elif kind in ("agent_error", "agent_warning"):
-                    self.agent_errors.append(str(obj.get("message", ""))[:500])
-                    del self.agent_errors[:-20]
-                    if end > self._quiet_until.get(rank, -1):  # not one a restart re-reads
-                        self.notices.append((rank, str(kind), _as_int(obj.get("step"), -1),
-                                             str(obj.get("message", ""))[:2000]))
-            self.bad_lines = sum(t.bad_lines for t in self.tails.values())
+            if rank is not None and rank not in self.ranks:
+                self.ranks[rank] = RankWatch.at(run_dir.stream(rank), self.window)
+        for rank, rk in self.ranks.items():
+            try:
+                recs, notes = rk.read(max_records)
+            except OSError as exc:
+                self.error = f"{rk.tail.path}: {exc}"
+                continue
+            if recs:
+                new[rank] = recs
+            for note in notes:
+                self._agent_note(rank, note)
         caps = []
         try:
             for _rank, _step, _trigger, path in list_captures(self.run_dir):
                 if path.name not in self.captures_seen:
+                    self.captures_seen.add(path.name)
                     caps.append(path)
         except OSError as exc:
             self.error = str(exc)
         return new, caps
+
+    def _agent_note(self, rank: int, note: AgentNote) -> None:
+        self.agent_errors.append(note.message[:500])
+        del self.agent_errors[:-20]
+        if note.fresh:  # not one a restart re-reads
+            self.notices.append((rank, note.kind, note.step, note.message))
 
     def _read_meta(self) -> None:
         """(Re)read ``run.json`` when it changed. A damaged one is an ``error`` (shown in status),
@@ -229,19 +182,24 @@ class RunWatch:
             self.replaced = True
         self.meta = meta
 
-    def _read_tail(self, rank: int, tail: StreamTail) -> list[tuple[dict[str, Any] | None, int]]:
+    def log_error_change(self, grace_s: float) -> None:
+        """Log ``error`` when it changed (once), and when it cleared. A run directory younger than
+        ``grace_s`` seconds without its run.json is not reported: the agent is writing it."""
+        if self.error and not self._young(grace_s):
+            if self.error != self.reported_error:
+                log.warning("run %s: %s (still watching the other runs)", self.run_dir.name, self.error)
+                self.reported_error = self.error
+        elif not self.error and self.reported_error:
+            log.info("run %s: readable again", self.run_dir.name)
+            self.reported_error = None
+
+    def _young(self, grace_s: float) -> bool:
+        if self.meta is not None:
+            return False
         try:
-            size = tail.path.stat().st_size
-        except FileNotFoundError:
-            tail.behind = False
-            return []
-        if size < tail.offset:  # truncated or replaced: start over
-            tail.offset = self._consumed[rank] = 0
-            self._quiet_until.pop(rank, None)
-        lines, offset = read_lines(tail.path, tail.offset, CHUNK_BYTES)
-        tail.behind = offset != tail.offset and offset < size
-        tail.offset = offset
-        return lines
+            return time.time() - self.run_dir.stat().st_mtime < grace_s
+        except OSError:
+            return False
 
     def ring_dirs(self) -> list[Path]:
         """On-disk ring buffers (``ring-rank<R>-<pid>/``) in this run directory."""
@@ -249,8 +207,8 @@ class RunWatch:
 
     def status(self) -> dict[str, Any]:
         """This run's entry in the daemon's ``status.json``."""
-        return {"run_id": self.run_id, "run_dir": str(self.run_dir), "ranks": sorted(self.tails),
-                "last_step": max(self.last_step.values(), default=None),
+        return {"run_id": self.run_id, "run_dir": str(self.run_dir), "ranks": sorted(self.ranks),
+                "last_step": self.last_step,
                 "ended": {str(k): v for k, v in self.ended.items()},
                 "active": sorted(self.active), "captures": len(self.captures_seen),
                 "error": self.error or self.meta_error, "bad_lines": self.bad_lines,
@@ -264,12 +222,11 @@ class RunWatch:
         records still in the window start, so a restart refills the window (without alerting on
         it again) and the signatures see the same history.
         """
-        return {"offsets": {str(r): self._consumed.get(r, t.offset) for r, t in self.tails.items()},
-                "window_offsets": {str(r): (self._starts[r][0] if self._starts.get(r) else
-                                            self._consumed.get(r, t.offset))
-                                   for r, t in self.tails.items()},
+        offsets = {str(r): rk.offsets() for r, rk in self.ranks.items()}
+        return {"offsets": {r: o[0] for r, o in offsets.items()},
+                "window_offsets": {r: o[1] for r, o in offsets.items()},
                 "active": self.active, "captures_seen": sorted(self.captures_seen),
-                "last_step": {str(r): s for r, s in self.last_step.items()},
+                "last_step": {str(r): rk.last_step for r, rk in self.ranks.items() if rk.last_step is not None},
                 "ended": {str(r): v for r, v in self.ended.items()},
                 "last_alert_s": self.last_alert_s,
                 "started_s": self.meta.started_s if self.meta else None}
@@ -277,15 +234,20 @@ class RunWatch:
     def restore(self, saved: dict[str, Any]) -> None:
         """Resume from :meth:`progress` output (offsets past records already evaluated)."""
         win = saved.get("window_offsets", {}) if isinstance(saved.get("window_offsets"), dict) else {}
+        run_dir = RunDir(self.run_dir)
         for r, off in saved.get("offsets", {}).items():
-            rank, off = _as_int(r), _as_int(off)
-            start = min(_as_int(win.get(r, off), off), off)
-            self._add_rank(rank, start)
-            self._quiet_until[rank] = off  # records up to here were evaluated before: refill only
+            rank, off = as_int(r), as_int(off)
+            start = min(as_int(win.get(r, off), off), off)
+            # records up to ``off`` were evaluated before: refill only
+            self.ranks[rank] = RankWatch.at(run_dir.stream(rank), self.window, start, quiet_until=off)
         self.active = dict(saved.get("active", {}))
         self.captures_seen = set(saved.get("captures_seen", []))
-        self.last_step = {_as_int(r): _as_int(s) for r, s in saved.get("last_step", {}).items()}
-        self.ended = {_as_int(r): str(v) for r, v in saved.get("ended", {}).items()}
+        for r, s in saved.get("last_step", {}).items():
+            if as_int(r) in self.ranks:
+                self.ranks[as_int(r)].last_step = as_int(s)
+        for r, v in saved.get("ended", {}).items():
+            if as_int(r) in self.ranks:
+                self.ranks[as_int(r)].ended = str(v)
         self.last_alert_s = {str(k): float(v) for k, v in (saved.get("last_alert_s") or {}).items()
                              if isinstance(v, (int, float))}
 
@@ -303,8 +265,8 @@ def stale_temp_captures(rw: RunWatch, now_s: float, this_host: str,
     this host and is no longer alive. Files of other hosts' ranks are left to their daemon.
     """
     out = []
-    for rank, pid in rw.pids.items():
-        if not pid or rw.hosts.get(rank) != this_host or alive(pid):
+    for rank, rk in rw.ranks.items():
+        if not rk.pid or rk.host != this_host or alive(rk.pid):
             continue
         for p in RunDir(rw.run_dir).unfinished_captures(rank):
             try:
@@ -355,7 +317,6 @@ def remove_stale_temps(rw: RunWatch) -> int:
     """Delete :func:`stale_temp_captures` of ``rw`` (a SIGKILL during a capture write leaves up to
     hundreds of MB); returns how many were removed."""
     import socket  # noqa: PLC0415
-    import time  # noqa: PLC0415
 
     n = 0
     for p in stale_temp_captures(rw, time.time(), socket.gethostname(), pid_alive):

@@ -4,12 +4,15 @@ main loop. The set is shared by the observer's thread, the recovery thread and t
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
 from typing import Any
 
 __all__ = ["DirtyRuns", "start_observer"]
+
+log = logging.getLogger("sentineld.daemon")
 
 
 class DirtyRuns:
@@ -41,6 +44,14 @@ class DirtyRuns:
         with self._lock:
             self._dirty.add(run_dir)
         self.wake.set()
+
+    def scan(self) -> set[Path]:
+        """Every run directory in the runs dir now (none when it cannot be listed: logged)."""
+        try:
+            return {p for p in self.runs_dir.iterdir() if p.is_dir()}
+        except OSError as exc:
+            log.warning("cannot list runs dir %s: %s", self.runs_dir, exc)
+            return set()
 
     def take(self) -> set[Path]:
         """The marked run directories; the set starts empty again."""

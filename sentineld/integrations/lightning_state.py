@@ -164,7 +164,7 @@ class JointOptimizer(torch.optim.Optimizer):
     ``step`` steps each (the module's own code steps them one by one; the replay does too).
     """
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:  # noqa: D107
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
         # Not Optimizer.__init__: that would build param groups of its own; the parts it sets
         # that hooks and zero_grad use are set here.
         self.optimizers = list(optimizers)

@@ -95,7 +95,7 @@ def recipe_from_run(*, model_class: dict[str, Any], config: dict[str, Any],
 
     if custom_loss:
         raise ValueError(f"{custom_loss}: the replay cannot rebuild the loss from the model alone. "
-                         "Pass loss_fn= or recipe= to SentineldCallback (see sentineld.contracts.recipe)")
+                         "Pass loss_fn= or recipe= to SentineldCallback (see sentineld.recipe)")
     trust = trust_given()
     cls = load_class(model_class, cwd, trust=trust)
     config_cls = getattr(cls, "config_class", None)

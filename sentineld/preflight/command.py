@@ -114,13 +114,13 @@ def preflight(recipe: str, data: str, as_json: bool, lr_range: bool, lr_plot: st
     built = _call(recipe, trust, "the recipe")
     from sentineld.contracts.recipe import Recipe  # noqa: PLC0415 - imports torch
 
-    from .frameworks import check_model, framework_of  # noqa: PLC0415
+    from .frameworks import framework_of  # noqa: PLC0415
 
     if not isinstance(built, Recipe) and framework_of(built) is None:
         _bad(f"{recipe} returned {type(built).__name__}, not a sentineld.recipe.Recipe "
              "(Recipe(model=..., optimizer=..., loss_fn=...)), a LightningModule or a transformers model")
     batches = _call(data, trust, "the data function")
-    from .runner import check_recipe  # noqa: PLC0415
+    from .runner import check, check_recipe  # noqa: PLC0415
 
     opts: dict[str, Any] = {"lr_range": lr_range, "lr_plot": lr_plot, "overfit_steps": overfit_steps}
     try:
@@ -128,7 +128,7 @@ def preflight(recipe: str, data: str, as_json: bool, lr_range: bool, lr_plot: st
             if isinstance(built, Recipe):
                 checks = check_recipe(built, batches, num_classes=num_classes or built.num_classes, **opts)
             else:
-                checks = check_model(built, None, None, batches, num_classes=num_classes, **opts)
+                checks = check(built, None, None, batches, num_classes=num_classes, **opts)
     except (TypeError, ValueError) as exc:
         _bad(f"{exc} (recipe {recipe}, data {data})")
     except SystemExit as exc:  # the user's loss_fn / step called sys.exit: not preflight's exit code

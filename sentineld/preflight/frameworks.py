@@ -20,9 +20,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from .context import slice_batch, split_batch
-from .result import Check
 
-__all__ = ["check_lightning", "check_hf", "framework_of", "check_model"]
+__all__ = ["framework_of", "derive", "HF_ADAMW"]
 
 #: The HF Trainer's AdamW defaults (TrainingArguments: learning_rate, adam_beta1/2, adam_epsilon, weight_decay).
 HF_ADAMW = {"lr": 5e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
@@ -70,34 +69,6 @@ def _numbered(batches: Iterable[Any], first_cut: int) -> Iterator[dict[str, Any]
         yield {"batch": slice_batch(b, first_cut) if i == 0 else b, "batch_idx": i}
 
 
-def check_lightning(module: torch.nn.Module, batches: Iterable[Any], optimizer: torch.optim.Optimizer | None = None,
-                    *, split: Callable[[Any], tuple[Any, Any]] | None = None, **kwargs: Any) -> list[Check]:
-    """:func:`sentineld.preflight.check` for a LightningModule, on copies.
-
-    Args:
-        module: the LightningModule (``training_step`` and ``configure_optimizers`` are used).
-        batches: an iterable of the batches ``training_step`` receives (the train DataLoader).
-        optimizer: default: the one ``configure_optimizers()`` returns (one optimizer only).
-        split: ``batch -> (inputs, labels)`` of one DataLoader batch; default guesses tuples and dicts.
-        kwargs: :func:`sentineld.preflight.check`'s keywords (num_classes, overfit_steps, lr_range...).
-
-    Raises:
-        ValueError: ``configure_optimizers()`` returns several optimizers (manual optimization).
-        TypeError: ``batches`` is not an iterable of batches.
-    """
-    from sentineld.integrations.lightning_replay import _parse_optimizers  # noqa: PLC0415
-
-    from .runner import OVERFIT_SAMPLES, check  # noqa: PLC0415
-
-    package = _lightning_package(module) or "lightning.pytorch"
-    if optimizer is None:
-        optimizer, _ = _parse_optimizers(package, module.configure_optimizers())  # type: ignore[operator]
-    inner = split or split_batch
-    wrapped = _numbered(_iterable(batches), int(kwargs.get("overfit_samples", OVERFIT_SAMPLES)))
-    return check(module, optimizer, _training_step_loss, wrapped,
-                 split=lambda micro: inner(micro["batch"]), **kwargs)
-
-
 def _hf_split(batch: Any) -> tuple[Any, Any]:
     """Inputs and ``"labels"`` of a Trainer batch; inputs are the usual key, else its first other tensor."""
     inputs, labels = split_batch(batch)
@@ -106,39 +77,38 @@ def _hf_split(batch: Any) -> tuple[Any, Any]:
     return inputs, labels
 
 
-def check_hf(model: torch.nn.Module, batches: Iterable[Any], optimizer: torch.optim.Optimizer | None = None,
-             **kwargs: Any) -> list[Check]:
-    """:func:`sentineld.preflight.check` for a transformers model; loss ``model(**batch).loss``, on copies.
+def derive(kind: str | None, model: Any, optimizer: Any, loss_fn: Any, batches: Iterable[Any],
+           split: Callable[[Any], tuple[Any, Any]] | None,
+           overfit_samples: int) -> tuple[torch.optim.Optimizer, Callable[..., torch.Tensor], Iterable[Any], Any]:
+    """What :func:`sentineld.preflight.check` needs and the framework knows, for a model given
+    without ``optimizer`` or ``loss_fn``: ``(optimizer, loss_fn, batches, split)``.
 
     Args:
-        model: a ``PreTrainedModel`` (any module returning ``.loss`` from ``model(**batch)`` works).
-        batches: dicts of model keyword arguments with ``"labels"`` (what the Trainer feeds).
-        optimizer: default AdamW over every parameter with the Trainer's defaults (:data:`HF_ADAMW`).
-        kwargs: :func:`sentineld.preflight.check`'s keywords.
-    """
-    from sentineld.integrations.transformers_replay import model_loss  # noqa: PLC0415
-
-    from .runner import check  # noqa: PLC0415
-
-    if optimizer is None:
-        optimizer = torch.optim.AdamW(model.parameters(), **HF_ADAMW)  # type: ignore[arg-type]
-    if kwargs.get("split") is None:
-        kwargs["split"] = _hf_split
-    return check(model, optimizer, model_loss, batches, **kwargs)
-
-
-def check_model(model: Any, optimizer: Any, loss_fn: Any, batches: Iterable[Any], **kwargs: Any) -> list[Check]:
-    """What :func:`sentineld.preflight.check` does when ``optimizer`` or ``loss_fn`` is None.
+        kind: :func:`framework_of` the model (``"lightning"`` or ``"hf"``).
+        overfit_samples: Rule #1's batch size (a Lightning batch is cut to it here: the runner
+            cannot see samples inside the ``{"batch", "batch_idx"}`` wrapper).
 
     Raises:
-        TypeError: the model is neither a LightningModule (with ``loss_fn`` None) nor a transformers
-            model, so the missing optimizer / loss_fn cannot be derived.
+        ValueError: ``configure_optimizers()`` returns several optimizers (manual optimization).
+        TypeError: ``batches`` is not an iterable of batches; or the model is neither a
+            LightningModule (with ``loss_fn`` None) nor a transformers model, so the missing
+            optimizer / loss_fn cannot be derived.
     """
-    kind = framework_of(model)
     if kind == "lightning" and loss_fn is None:
-        return check_lightning(model, batches, optimizer, **kwargs)
+        from sentineld.integrations.lightning_replay import _parse_optimizers  # noqa: PLC0415
+
+        package = _lightning_package(model) or "lightning.pytorch"
+        if optimizer is None:
+            optimizer, _ = _parse_optimizers(package, model.configure_optimizers())
+        inner = split or split_batch
+        return (optimizer, _training_step_loss, _numbered(_iterable(batches), int(overfit_samples)),
+                lambda micro: inner(micro["batch"]))
     if kind == "hf" and loss_fn is None:
-        return check_hf(model, batches, optimizer, **kwargs)
+        from sentineld.integrations.transformers_replay import model_loss  # noqa: PLC0415
+
+        if optimizer is None:
+            optimizer = torch.optim.AdamW(model.parameters(), **HF_ADAMW)  # type: ignore[arg-type]
+        return optimizer, model_loss, batches, split or _hf_split
     raise TypeError(f"optimizer and loss_fn are required for a {type(model).__name__}; they can be left "
                     "out only for a LightningModule (configure_optimizers/training_step) or a "
                     "transformers model (AdamW, model(**batch).loss)")

@@ -20,7 +20,7 @@ from .trace import trace_forward
 from .training import check_lr_range, check_overfit
 from .units import check_dead_units
 
-__all__ = ["check", "check_recipe"]
+__all__ = ["check", "check_recipe", "check_lightning", "check_hf"]
 
 #: Rule #1's batch: "take 5-50 samples (typically one batch)"; 32 as in the method's example.
 OVERFIT_SAMPLES = 32
@@ -89,7 +89,7 @@ def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
           batches: Iterable[Any] | None = None, num_classes: int | None = None, *, step: StepFn | None = None,
           split: Callable[[Any], tuple[Any, Any]] | None = None, max_batches: int = 8,
           overfit_samples: int = OVERFIT_SAMPLES, overfit_steps: int = 300, lr_range: bool = False,
-          lr_plot: str | Path | None = None) -> list[Check]:
+          lr_plot: str | Path | None = None, _framework: str | None = None) -> list[Check]:
     """Run the preflight checks on copies of ``model`` and ``optimizer``.
 
     The user's model, optimizer (and their gradients) and the torch / numpy / python RNG states
@@ -123,11 +123,10 @@ def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
     if batches is None:
         raise TypeError("batches must be an iterable of batches, got NoneType (a DataLoader, a list)")
     if optimizer is None or loss_fn is None:
-        from .frameworks import check_model  # noqa: PLC0415
+        from .frameworks import derive, framework_of  # noqa: PLC0415
 
-        return check_model(model, optimizer, loss_fn, batches, num_classes=num_classes, step=step,
-                           split=split, max_batches=max_batches, overfit_samples=overfit_samples,
-                           overfit_steps=overfit_steps, lr_range=lr_range, lr_plot=lr_plot)
+        optimizer, loss_fn, batches, split = derive(_framework or framework_of(model), model, optimizer, loss_fn,
+                                                    batches, split, overfit_samples)
     with rng_guard():
         torch.manual_seed(0)  # dropout masks, inits in loss_fn: the same verdicts on every run
         _copyable(model, optimizer)
@@ -199,3 +198,35 @@ def check_recipe(recipe: Any, batches: Iterable[Any], **kwargs: Any) -> list[Che
                                               scaler=None, accumulation_steps=1), batch)
     kwargs.setdefault("num_classes", recipe.num_classes)
     return check(recipe.model, recipe.optimizer, recipe.loss_fn, batches, step=step, **kwargs)
+
+
+def check_lightning(module: torch.nn.Module, batches: Iterable[Any], optimizer: torch.optim.Optimizer | None = None,
+                    **kwargs: Any) -> list[Check]:
+    """:func:`check` for a LightningModule, on copies: the optimizer is ``configure_optimizers()``'s
+    (default), the loss ``training_step(batch, batch_idx)`` (:func:`~sentineld.preflight.frameworks.derive`).
+
+    Args:
+        module: the LightningModule (``training_step`` and ``configure_optimizers`` are used).
+        batches: an iterable of the batches ``training_step`` receives (the train DataLoader).
+        optimizer: default: the one ``configure_optimizers()`` returns (one optimizer only).
+        kwargs: :func:`check`'s keywords (split of one DataLoader batch, num_classes, overfit_steps, lr_range...).
+
+    Raises:
+        ValueError: ``configure_optimizers()`` returns several optimizers (manual optimization).
+        TypeError: ``batches`` is not an iterable of batches.
+    """
+    return check(module, optimizer, None, batches, _framework="lightning", **kwargs)
+
+
+def check_hf(model: torch.nn.Module, batches: Iterable[Any], optimizer: torch.optim.Optimizer | None = None,
+             **kwargs: Any) -> list[Check]:
+    """:func:`check` for a transformers model; loss ``model(**batch).loss``, on copies.
+
+    Args:
+        model: a ``PreTrainedModel`` (any module returning ``.loss`` from ``model(**batch)`` works).
+        batches: dicts of model keyword arguments with ``"labels"`` (what the Trainer feeds).
+        optimizer: default AdamW over every parameter with the Trainer's defaults
+            (:data:`~sentineld.preflight.frameworks.HF_ADAMW`).
+        kwargs: :func:`check`'s keywords.
+    """
+    return check(model, optimizer, None, batches, _framework="hf", **kwargs)

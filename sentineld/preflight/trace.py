@@ -77,7 +77,7 @@ class _Recorder(TorchDispatchMode):
         self.trace = trace
         self.phase = "model"
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's API
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's API
         name = func.overloadpacket.__name__
         if name == "detach":  # autograd bookkeeping, not the user's computation
             return func(*args, **(kwargs or {}))
@@ -106,7 +106,7 @@ def _record_functions(trace: Trace) -> Iterator[None]:
     base = torch.autograd.Function
     original = base.__dict__["apply"]
 
-    def apply(cls, *args, **kwargs):  # noqa: ANN001, ANN202
+    def apply(cls, *args, **kwargs):
         if cls not in trace.functions and cls.__module__.split(".")[0] != "torch":
             trace.functions[cls] = (tuple(_clone_arg(a) for a in args),
                                     {k: _clone_arg(v) for k, v in kwargs.items()})

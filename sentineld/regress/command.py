@@ -16,7 +16,8 @@ __all__ = ["regress"]
 @click.option("--runs-dir", type=click.Path(file_okay=False), default=None)
 def regress(run: str, step: int | None, out_dir: str, rank: int | None, runs_dir: str | None) -> None:
     """Write a pytest regression test (and its HDF5 fixture) that RUN's offending step stays finite."""
-    from sentineld.cli import _fail, _run_dir  # noqa: PLC0415
+    from sentineld.cliargs import fail as _fail  # noqa: PLC0415
+    from sentineld.cliargs import run_dir_of as _run_dir  # noqa: PLC0415
     from sentineld.contracts.errors import SentineldError  # noqa: PLC0415
 
     from .write import write_regression  # noqa: PLC0415

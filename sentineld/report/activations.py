@@ -20,18 +20,17 @@ from sentineld.contracts.rng import restore_rng
 from sentineld.contracts.rundir import RunMeta
 
 from . import data as d
-from .sources import MAX_HISTS
 
 __all__ = ["capture_activations"]
 
 
-def _recipe(meta: RunMeta, cap_path: Path, run_dir: Path, trust: bool) -> Recipe:
+def _recipe(spec: str, meta: RunMeta, cap_path: Path, run_dir: Path, trust: bool) -> Recipe:
     from sentineld.contracts.trust import check_import_path  # noqa: PLC0415
     from sentineld.replay.trust import load_recipe_factory  # noqa: PLC0415
 
     if not trust:  # the replay's checks: the import path first, then the recipe's own files
         check_import_path()
-    fn = load_recipe_factory(meta.recipe, meta.cwd, trust=trust,
+    fn = load_recipe_factory(spec, meta.cwd, trust=trust,
                              named_by=[p for p in (run_dir / "run.json", cap_path) if p.exists()])
     rec = fn(**meta.recipe_args)
     if not isinstance(rec, Recipe):
@@ -66,7 +65,7 @@ def capture_activations(run_dir: Path, meta: RunMeta, cap_path: Path, trust: boo
     """Histograms of each leaf module's output on the capture's snapshot step.
 
     Returns:
-        ``(hists, note)``: at most :data:`~sentineld.report.sources.MAX_HISTS` histograms in
+        ``(hists, note)``: at most :data:`~sentineld.report.data.MAX_HISTS` histograms in
         module order, and a sentence saying what was run, or why nothing could be (no recipe, an
         untrusted or failing recipe); never raises for the user's code.
     """
@@ -82,12 +81,12 @@ def capture_activations(run_dir: Path, meta: RunMeta, cap_path: Path, trust: boo
             snap = cap.snapshot()
         flags = meta.extra.get("torch_flags") if isinstance(meta.extra, dict) else None
         with torch_globals(meta.num_threads, flags if isinstance(flags, dict) else None):
-            rec = _recipe(meta, cap_path, run_dir, trust)
+            rec = _recipe(meta.recipe, meta, cap_path, run_dir, trust)
             load_snapshot(rec, snap)
             outs = _forward(rec, st.batch, st.rng)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code can raise anything
         return [], f"activations unavailable: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-    hists = [d.hist(name, t.numpy(), "float32") for name, t in list(outs.items())[:MAX_HISTS]]
+    hists = [d.hist(name, t.numpy(), "float32") for name, t in list(outs.items())[:d.MAX_HISTS]]
     note = (f"outputs of {len(outs)} leaf modules in one forward of step {s}'s batch from the snapshot "
             f"(the state before step {s}), through recipe {meta.recipe}")
     return hists, note

@@ -28,7 +28,9 @@ def report(run: str, output: str | None, state_dir: str | None, verdict_path: st
            no_activations: bool, trust: bool, rank: int, runs_dir: str | None) -> None:
     """Write one self-contained HTML report of RUN (an id or a directory)."""
     logging.basicConfig(level=logging.WARNING, format="sentineld: %(message)s", stream=sys.stderr)
-    from sentineld.cli import _fail, _run_dir, _safe_state_dir  # noqa: PLC0415
+    from sentineld.cliargs import fail as _fail  # noqa: PLC0415
+    from sentineld.cliargs import run_dir_of as _run_dir  # noqa: PLC0415
+    from sentineld.cliargs import safe_state_dir as _safe_state_dir  # noqa: PLC0415
     from sentineld.contracts.errors import SentineldError  # noqa: PLC0415
     from sentineld.replay.main import stdout_to_stderr  # noqa: PLC0415
 

@@ -18,7 +18,7 @@ from sentineld.daemon.outbox import Notification
 
 __all__ = ["Curves", "LayerGrid", "Marker", "Hist", "ReportData", "curves", "layer_grid",
            "dead_or_saturated_grid", "alert_markers", "alert_rows", "capture_markers", "thin_indices", "hist",
-           "MAX_POINTS", "MAX_COLUMNS"]
+           "MAX_POINTS", "MAX_COLUMNS", "MAX_HISTS"]
 
 #: Most points per curve drawn; longer runs are thinned by a stride, keeping every non-finite
 #: step (an SVG of a million points is tens of MB and the eye cannot see them anyway).
@@ -27,6 +27,9 @@ MAX_POINTS = 4000
 MAX_COLUMNS = 400
 #: Most module rows of a heatmap: modules with a NaN/Inf come first, then model order.
 MAX_ROWS = 48
+
+#: Parameters (weights) and modules (activations) drawn as histograms, in model order.
+MAX_HISTS = 12
 
 
 @dataclass(frozen=True)

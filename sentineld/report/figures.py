@@ -16,12 +16,12 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display: the report is written by a CLI or a daemon
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib import colors  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib import colors
+from matplotlib.ticker import MaxNLocator
 
-from .data import Curves, Hist, LayerGrid, Marker  # noqa: E402
+from .data import Curves, Hist, LayerGrid, Marker
 
 __all__ = ["curves_svg", "heatmap_svg", "hists_svg", "timeline_svg", "replay_losses_svg"]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sentineld.contracts.capture import CaptureError, open_capture
-from sentineld.contracts.records import StepRecord, record_from_json
+from sentineld.contracts.records import STEP, StepRecord, record_from_json
 from sentineld.contracts.rundir import list_captures, read_run_meta, stream_path
 from sentineld.contracts.safeio import read_json
 from sentineld.contracts.stream import StreamTail
@@ -30,9 +30,6 @@ log = logging.getLogger("sentineld.report")
 #: Largest verdict or replay record read (a report is a few KiB).
 MAX_VERDICT_FILE_BYTES = 8 << 20
 
-#: Parameters (weights) and modules (activations) drawn as histograms, in model order.
-MAX_HISTS = 12
-
 
 def read_records(run_dir: Path, rank: int) -> tuple[list[StepRecord], int]:
     """Step records of rank ``rank``'s stream, and the count of lines skipped as damaged.
@@ -45,7 +42,7 @@ def read_records(run_dir: Path, rank: int) -> tuple[list[StepRecord], int]:
     bad = 0
     while True:
         for obj in tail.read():
-            if obj.get("kind") != "step":
+            if obj.get("kind") != STEP:
                 continue
             try:
                 out.append(record_from_json(obj))
@@ -121,7 +118,7 @@ def capture_info(path: Path) -> tuple[dict[str, Any], list[d.Hist]]:
     for name, t in model.items():
         if hasattr(t, "is_floating_point") and t.is_floating_point() and t.numel() > 1:
             hists.append(d.hist(name, t.detach().float().numpy(), str(t.dtype).removeprefix("torch.")))
-        if len(hists) >= MAX_HISTS:
+        if len(hists) >= d.MAX_HISTS:
             break
     return info, hists
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sentineld.daemon.replay_runner import is_verdict
+from sentineld.contracts.verdict import is_verdict
 from sentineld.contracts.trust import (UntrustedError, check_chain, check_import_path, check_interpreter, check_owned,
                              install_import_guard, untrusted_reason)
 

@@ -11,10 +11,14 @@ from sentineld.contracts.verdict import (
     CAUSE_CLASSES,
     OUTSIDE_MODEL,
     REPORT_SCHEMA_VERSION,
+    Finding,
+    Replayed,
     Report,
+    make_report,
     notification_text,
     render_text,
     report_problems,
+    verdict_outcome,
 )
 
 
@@ -41,6 +45,11 @@ def test_a_null_module_verdict_is_valid_and_says_where() -> None:
     ({"module": 3}, "module must be"),
     ({"cause_class": "clip_gradients"}, "cause_class 'clip_gradients'"),
     ({"where": ["x"]}, "where must be"),
+    # the shape the daemon checks a replay subprocess's output against (was is_verdict)
+    ({"phase": "everything is fine"}, "phase must be one of"),
+    ({"step": "7"}, "step must be int"),
+    ({"reproduced": "yes"}, "reproduced must be bool"),
+    ({"schema_version": None}, "schema_version must be int"),
 ])
 def test_report_problems_names_what_is_wrong(change: dict, problem: str) -> None:
     obj = json.loads(_outside().to_json()) | change
@@ -51,3 +60,34 @@ def test_report_problems_names_what_is_wrong(change: dict, problem: str) -> None
 def test_cause_classes_are_described() -> None:
     assert all(k.isidentifier() and v for k, v in CAUSE_CLASSES.items())
     assert {"custom_backward", "where_masked_branch", "grad_at_singularity"} <= set(CAUSE_CLASSES)
+
+
+def test_report_problems_checks_the_run_when_named() -> None:
+    obj = json.loads(_outside().to_json())
+    assert report_problems(obj, "r") == []
+    assert any("run_id must be 'r2'" in p for p in report_problems(obj, "r2"))
+    assert report_problems([obj]) == ["a verdict is a JSON object, got list"]
+
+
+@pytest.mark.parametrize("phase, reproduced, outcome", [
+    ("forward", True, "localized"),
+    ("optimizer", True, "localized"),
+    ("none", True, "not_localized"),
+    ("forward", False, "not_reproduced"),
+    ("none", False, "not_reproduced"),
+])
+def test_one_outcome_rule(phase: str, reproduced: bool, outcome: str) -> None:
+    assert verdict_outcome({"phase": phase, "reproduced": reproduced}) == outcome
+
+
+def test_a_report_is_made_once_from_what_the_replay_found() -> None:
+    found = Finding(step=5, phase="forward", module="fc1", module_type="Linear", where="module 'fc1' (Linear)",
+                    op="aten.log", cause_class="log_zero", cause="c", fix="f", evidence={"replayed_loss": 1.0})
+    r = make_report(Replayed(found, requested_step=4, reproduced=True, rank=1, capture="cap.h5", steps_rebuilt=3,
+                             evidence={"snapshot_step": 2}), "run7", evidence={"in_process": {"mode": "thread"}},
+                    elapsed_s=2.5)
+    assert (r.run_id, r.rank, r.step, r.requested_step, r.phase, r.module, r.op) == (
+        "run7", 1, 5, 4, "forward", "fc1", "aten.log")
+    assert r.evidence == {"replayed_loss": 1.0, "snapshot_step": 2, "in_process": {"mode": "thread"}}
+    assert (r.elapsed_s, r.steps_rebuilt, r.capture) == (2.5, 3, "cap.h5")
+    assert report_problems(json.loads(r.to_json()), "run7") == []

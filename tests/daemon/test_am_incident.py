@@ -22,7 +22,7 @@ from sentineld.daemon.replay_runner import ReplayOutcome
 
 # The stderr tail the replay subprocess leaves for a run.json without a recipe (replay/engine.py).
 NO_RECIPE_REASON = ("sentineld: run r1 recorded no recipe; pass --recipe module:function (a function "
-                    "returning sentineld.contracts.recipe.Recipe)")
+                    "returning sentineld.recipe.Recipe)")
 
 
 def test_failed_for_want_of_a_recipe_is_no_recipe():

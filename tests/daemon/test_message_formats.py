@@ -48,7 +48,7 @@ class RawInbox:
         self.raw: list[bytes] = []
         self.lock = threading.Lock()
 
-    async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:  # noqa: N802
+    async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:
         with self.lock:
             self.raw.append(bytes(envelope.original_content or envelope.content))
         return "250 OK"

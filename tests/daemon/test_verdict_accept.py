@@ -8,7 +8,7 @@ from sentineld.daemon.verdict_accept import verdict_problem
 
 CAP = "capture-rank1-step000000005-nonfinite.h5"
 GOOD = {"schema_version": REPORT_SCHEMA_VERSION, "run_id": "exp1", "rank": 1, "step": 5, "phase": "forward",
-        "module": "fc", "capture": f"/runs/exp1/{CAP}"}
+        "module": "fc", "where": "module 'fc' (Linear)", "reproduced": True, "capture": f"/runs/exp1/{CAP}"}
 META = RunMeta(run_id="exp1")
 
 

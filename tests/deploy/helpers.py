@@ -151,7 +151,7 @@ class HttpSink:
         sink = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            def do_POST(self) -> None:  # http.server's name
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 with sink._cond:
                     sink.received.append({"path": self.path, "json": json.loads(body or b"null")})

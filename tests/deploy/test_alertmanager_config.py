@@ -81,7 +81,7 @@ class Mailbox:
         mailbox = self
 
         class Handler:
-            async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:  # noqa: N802
+            async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:
                 mailbox.messages.append(message_from_bytes(envelope.content))
                 return "250 OK"
 

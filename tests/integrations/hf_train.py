@@ -110,7 +110,7 @@ def train(runs_dir: str, run_id: str, fault: str, accumulate: int = 1, bf16: boo
     from sentineld.integrations.transformers import SentineldCallback
 
     class WeightedTrainer(Trainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001, ANN202
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             out = model(**inputs)
             return (out.loss * 2.0, out) if return_outputs else out.loss * 2.0
 

@@ -71,7 +71,7 @@ class TinyClassifier(pl.LightningModule):
         self.log("train_loss", loss)
         return loss
 
-    def configure_optimizers(self):  # noqa: ANN201 - Lightning's own return types
+    def configure_optimizers(self):  # Lightning's own return types
         opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
         n = self.hparams.fault_step
         boom = self.hparams.fault == "optimizer"

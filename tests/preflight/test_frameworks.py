@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from sentineld.preflight import FAIL, check
-from sentineld.preflight.frameworks import HF_ADAMW, check_hf, check_lightning, framework_of
+from sentineld.preflight.frameworks import HF_ADAMW, framework_of
+from sentineld.preflight.runner import check_hf, check_lightning
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 L = pytest.importorskip("lightning.pytorch")

@@ -139,7 +139,7 @@ class Inbox:
         self.in_rcpt = threading.Event()
         self.in_data = threading.Event()
 
-    async def handle_RCPT(self, server: Any, session: Any, envelope: Any, address: str,  # noqa: N802
+    async def handle_RCPT(self, server: Any, session: Any, envelope: Any, address: str,
                           rcpt_options: Any) -> str:
         envelope.rcpt_tos.append(address)
         if self.rcpt_delay_s:
@@ -147,7 +147,7 @@ class Inbox:
             await asyncio.sleep(self.rcpt_delay_s)
         return "250 OK"
 
-    async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:  # noqa: N802
+    async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:
         msg = message_from_bytes(envelope.content, policy=default_policy)
         with self.lock:
             self.messages.append((time.monotonic(), msg))
@@ -235,7 +235,7 @@ def sink() -> Iterator[Sink]:
     s = Sink()
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             try:
                 obj = json.loads(raw)

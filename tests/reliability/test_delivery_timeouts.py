@@ -35,7 +35,7 @@ class SlowSink:
         sink = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 with sink.lock:
                     n = len(sink.posts)

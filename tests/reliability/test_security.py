@@ -106,7 +106,7 @@ def test_secrets_in_urls_never_leave_the_config(sink, tmp_path):
     from aiosmtpd.controller import Controller
 
     class NoAuth:  # a mail server that offers no AUTH: apprise's login fails, delivery retries
-        async def handle_DATA(self, server, session, envelope):  # noqa: N802
+        async def handle_DATA(self, server, session, envelope):
             return "250 OK"
 
     smtp_port = get_free_port()

@@ -104,7 +104,7 @@ def test_stale_temp_captures_of_dead_processes_only(tmp_path):
     os.utime(dead, (old, old))
     link = run_dir / "capture-rank0-step000000005-nonfinite.h5.tmp"
     link.symlink_to(tmp_path / "not-ours")
-    host = rw.hosts[0]
+    host = rw.ranks[0].host
     assert stale_temp_captures(rw, time.time(), host, alive=lambda pid: False) == [dead]
     assert stale_temp_captures(rw, time.time(), host, alive=lambda pid: True) == []  # still writing
     assert stale_temp_captures(rw, time.time(), "other-host", alive=lambda pid: False) == []

@@ -3,6 +3,7 @@ of the seen-wrong faults other than the zoo's (issue 10, "Verdict wording")."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any, Callable
 
 import pytest
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sentineld.contracts.recipe import Recipe
-from sentineld.contracts.verdict import CAUSE_CLASSES, OUTSIDE_MODEL, Report, report_problems
+from sentineld.contracts.verdict import CAUSE_CLASSES, OUTSIDE_MODEL, Finding, Replayed, make_report, report_problems
 from sentineld.replay.causes import Cause, Facts, likely_cause
 from sentineld.replay.localize import localize
 from sentineld.replay.nodeops import op_from_node_name
@@ -55,7 +56,7 @@ class Net(nn.Module):
 
 
 def _verdict(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-             loss: Callable[[torch.Tensor], torch.Tensor] = lambda out: out.sum()) -> Report:
+             loss: Callable[[torch.Tensor], torch.Tensor] = lambda out: out.sum()) -> Finding:
     torch.manual_seed(0)
     model = Net(fn)
     with torch.no_grad():  # lin is the identity: the batch reaches f as it is
@@ -64,7 +65,8 @@ def _verdict(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
     rec = Recipe(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                  loss_fn=lambda m, b: loss(m(b)))
     r = localize(rec, 0, x, None, None)
-    assert report_problems(r.__dict__) == [], r.__dict__
+    verdict = asdict(make_report(Replayed(r, requested_step=0, reproduced=True), "r1"))
+    assert report_problems(verdict, "r1") == [], verdict
     return r
 
 

@@ -291,7 +291,7 @@ def test_agent_stream_read_by_the_daemons_reader(tmp_path: Any, fault: str) -> N
             new, _ = rw.poll(max_records=per_poll)
             if not new:
                 break
-            found = next((v for v in evaluate(list(rw.records[0]), CFG, num_classes=10)
+            found = next((v for v in evaluate(list(rw.ranks[0].records), CFG, num_classes=10)
                           if v.signature == "dead_relu"), None)
         assert found is not None and found.module == "blocks.1"
         named.append(found.step)

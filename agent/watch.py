@@ -51,7 +51,7 @@ from .agent_config import AgentConfig
 from .capturer import CaptureWriter
 from .exits import EXITS
 from .exporter import Latest
-from .localize_live import make_localizer
+from .localize_live import CLOSE_WAIT_S, make_localizer
 from .memory import memory_bound
 from .peers import peer_incidents
 from .recorder import StepRecorder
@@ -91,7 +91,7 @@ class Watch:
         num_classes: int | None = None,
         accumulation_steps: int = 1,
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
-        localize: str = "thread",
+        localize: str = "auto",
         clip_grad_norm: float | None = None,
         config: AgentConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -322,6 +322,8 @@ class Watch:
             return
         self._closed = True
         EXITS.unregister(self)
+        if self._live is not None:
+            self._live.close_begins()  # a localization still running gets CLOSE_WAIT_S more
         self._remove_hooks()
         rec = self._rec
         if self.enabled:
@@ -337,7 +339,7 @@ class Watch:
         if rec.peers is not None:
             rec.peers.stop()
         deadline = time.monotonic() + timeout_s
-        self._writer.join(deadline)
+        self._writer.join(deadline, localize_s=CLOSE_WAIT_S)
         if rec.disk is not None:
             rec.disk.close(remove=reason == "finished" or self._writer.crash_captured,
                            timeout_s=max(0.0, deadline - time.monotonic()))

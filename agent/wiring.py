@@ -51,9 +51,13 @@ def check_args(model: Any, optimizer: Any, run_id: str | None, recipe: str | Non
 
 def run_extra(live: LiveLocalizer | None, localize: str, inner: torch.nn.Module) -> dict[str, Any]:
     """run.json's in-process localization fields (read by the daemon and the forward-only replay)."""
-    return {"localize": localize if live else "off",
-            "localize_memory_bytes": live.memory_bytes if live else 0,
-            "model_class": f"{type(inner).__module__}:{type(inner).__qualname__}"}
+    # What rebuilds the run without a recipe (`sentineld replay`, `report`, `regress`); resolves
+    # the localizer's ``auto`` mode, so it comes first.
+    rebuild = live.recorded() if live is not None else {}
+    out = {"localize": live.mode if live else "off",
+           "localize_memory_bytes": live.memory_bytes if live else 0,
+           "model_class": f"{type(inner).__module__}:{type(inner).__qualname__}"}
+    return {**out, **rebuild}
 
 
 def start_metrics(config: AgentConfig, latest: Latest, run_id: str, rank: int, local_rank: int,

@@ -51,7 +51,8 @@ from .agent_config import AgentConfig
 from .capturer import CaptureWriter
 from .exits import EXITS
 from .exporter import Latest
-from .localize_live import CLOSE_WAIT_S, make_localizer
+from . import localize_live
+from .localize_live import make_localizer
 from .memory import memory_bound
 from .peers import peer_incidents
 from .recorder import StepRecorder
@@ -339,7 +340,8 @@ class Watch:
         if rec.peers is not None:
             rec.peers.stop()
         deadline = time.monotonic() + timeout_s
-        self._writer.join(deadline, localize_s=CLOSE_WAIT_S)
+        # +2 s: past its deadline the child is killed and the "failed" verdict written
+        self._writer.join(deadline, localize_s=localize_live.CLOSE_WAIT_S + 2.0)
         if rec.disk is not None:
             rec.disk.close(remove=reason == "finished" or self._writer.crash_captured,
                            timeout_s=max(0.0, deadline - time.monotonic()))

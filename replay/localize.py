@@ -17,7 +17,8 @@ The verdict follows the step's order and stops at the first phase that went wron
   sqrt(x), 0)`` at x < 0) is the origin.
 - ``optimizer``: gradients finite (or Inf turned into NaN by clipping, which counts here), but
   parameters or optimizer state are non-finite after the step, or the learning rate is
-  non-finite (``module`` null, ``where`` names the scheduler). Names the parameters, the state entry (e.g. a zero
+  non-finite (``module`` null, ``where`` names the optimizer step, ``optimizer step (Adam)``, or the
+  scheduler; the modules owning the parameters are in evidence). Names the parameters, the state entry (e.g. a zero
   ``exp_avg_sq`` with an eps that is 0 in float16) and the op.
 - ``none``: every value finite (a GradScaler-skipped step with Inf gradients counts as finite).
 """
@@ -338,9 +339,11 @@ def _optimizer(report: Report, recipe: Recipe, tracer: Tracer, bad_params: list[
     params = list(dict.fromkeys([n for n in named if n in dict(recipe.model.named_parameters())]
                                 + bad_params + [n for n, _ in bad_state]))
     report.parameters = params
-    first = params[0] if params else None
-    if first is not None:
-        report.module, report.module_type = _owner(recipe, first)
+    # The culprit is the optimizer's arithmetic, not the module owning the parameter: naming that
+    # module sent users into the model's code. The owners stay in evidence.
+    report.module, report.module_type = None, type(recipe.optimizer).__name__
+    report.evidence["parameter_modules"] = list(dict.fromkeys(m for m in (_owner(recipe, n)[0] for n in params[:16])
+                                                              if m is not None))
     report.where = f"optimizer step ({type(recipe.optimizer).__name__})"
     report.op = b.op if b else None
     eps_lost, state_ev = False, []

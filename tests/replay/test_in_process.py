@@ -29,7 +29,7 @@ def _verdict(run_dir: Path) -> dict:
     # the forward op whose gradient went non-finite; its primitive (aten.div) is in evidence
     ("backward", "backward", None, "aten.sqrt", FAULT_STEP, "SqrtBackward0", OUTSIDE_MODEL),
     # RatioSGD divides a zero gradient by its zero norm; seen one step later (NaN loss), named at its step.
-    ("optimizer", "optimizer", "fc1", "aten.div", FAULT_STEP, None, "optimizer step (RatioSGD)"),
+    ("optimizer", "optimizer", None, "aten.div", FAULT_STEP, None, "optimizer step (RatioSGD)"),
     # The scheduler sets lr=inf for the next step: recorded (and named) at the step that set it.
     ("lr", "optimizer", None, "lr", FAULT_STEP - 1, None, "learning-rate scheduler (LambdaLR)"),
     ("data", "data", None, None, FAULT_STEP, None, "input batch, batch[0]"),
@@ -166,7 +166,7 @@ def test_optimizer_fault_seen_at_a_snapshot_step_is_replayed_from_the_snapshot_b
     cap = next(c for c in list_captures(out["watch"].run_dir) if c[2] == "nonfinite")
     assert cap[1] == 50
     v = _verdict(out["watch"].run_dir)
-    assert (v["phase"], v["module"], v["op"], v["step"]) == ("optimizer", "fc1", "aten.div", 49), v
+    assert (v["phase"], v["module"], v["op"], v["step"]) == ("optimizer", None, "aten.div", 49), v
     assert v["evidence"]["snapshot_step"] == 45 and v["reproduced"] is True
 
 

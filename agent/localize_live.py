@@ -220,7 +220,8 @@ class LiveLocalizer:
         if not self.forward_only:
             return None
         steps = {e.step for e in entries}
-        return {s: {"args": a, "kwargs": k} for s, a, k in list(self.calls) if s in steps}
+        cast = str(self.autocast).removeprefix("torch.") if self.autocast is not None else None
+        return {s: {"args": a, "kwargs": k, "autocast": cast} for s, a, k in list(self.calls) if s in steps}
 
     # ------------------------------------------------------------ at an incident
     def after_capture(self, path: Path, trigger: str, step: int, snap: Snapshot, entries: list[RingEntry]) -> None:
@@ -240,8 +241,6 @@ class LiveLocalizer:
                         self.verdicts.append(write_verdict(path, text))
                         self.last_s = time.perf_counter() - t0
                         return
-                if self.closing.is_set():
-                    raise TimeoutError("the run ended before its localization could start")
                 if self.forward_only:
                     report = self._forward_only(snap, entries, step)
                 else:
@@ -340,8 +339,11 @@ class LiveLocalizer:
         rngs = {e.step: e.rng for e in entries}
         calls = [ForwardCall(s, a, k, dict(r) if (r := rngs.get(s)) else None)
                  for s, a, k in list(self.calls) if s in rngs]
+        losses = {e.step: float(e.record["loss"]) for e in entries
+                  if isinstance(e.record, dict) and isinstance(e.record.get("loss"), (int, float))}
         with isolated(self.num_threads) as flags:
-            report = localize_forward(model, snap.step, calls, step, flags["_rng"].set_state)
+            report = localize_forward(model, snap.step, calls, step, flags["_rng"].set_state,
+                                      autocast_dtype=self.autocast, recorded_losses=losses)
         report.evidence["torch_flags"] = {k: v for k, v in flags.items() if not k.startswith("_")}
         return report
 

@@ -13,6 +13,7 @@ says so and how to enable the full replay.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -66,13 +67,18 @@ def _to(tree: Any, device: torch.device) -> Any:
     return map_tensors(tree, lambda t: t.to(device))
 
 
-def _run(model: torch.nn.Module, call: ForwardCall, set_rng: Callable[[dict[str, Any]], None]) -> tuple[Tracer, bool]:
+def _run(model: torch.nn.Module, call: ForwardCall, set_rng: Callable[[dict[str, Any]], None],
+         autocast_dtype: torch.dtype | None = None) -> tuple[Tracer, bool]:
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     args, kwargs = _to(call.args, device), _to(call.kwargs, device)
     if call.rng is not None:
         set_rng(dict(call.rng))
     tracer = Tracer(model)
-    with tracer:
+    tracer.set_batch((args, kwargs))
+    # The run's autocast: an fp16 overflow exists only under it.
+    cast_ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
+                else contextlib.nullcontext())
+    with tracer, cast_ctx:
         tracer.set_phase("forward")
         out = model(*args, **kwargs)
     outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
@@ -82,7 +88,8 @@ def _run(model: torch.nn.Module, call: ForwardCall, set_rng: Callable[[dict[str,
 
 
 def localize_forward(model: torch.nn.Module, snapshot_step: int, calls: list[ForwardCall], first_step: int,
-                     set_rng: Callable[[dict[str, Any]], None]) -> Report:
+                     set_rng: Callable[[dict[str, Any]], None], *, autocast_dtype: torch.dtype | None = None,
+                     recorded_losses: dict[int, float] | None = None) -> Report:
     """Run the recorded forward calls from ``first_step`` on ``model`` (holding snapshot S) until
     one makes a non-finite output; return the verdict.
 
@@ -93,6 +100,9 @@ def localize_forward(model: torch.nn.Module, snapshot_step: int, calls: list[For
         first_step: the incident's step N.
         set_rng: loads a recorded RNG state where the forward draws from (private generators in
             the training process).
+        autocast_dtype: the autocast dtype the training forward ran under, or None.
+        recorded_losses: step -> the loss the run recorded (sets ``recorded_nonfinite`` and says
+            so when the forward is finite while the recorded loss was not).
 
     Returns:
         A :class:`Report`: phase ``data`` (non-finite inputs), ``forward`` (op, module) or ``none``;
@@ -113,7 +123,7 @@ def localize_forward(model: torch.nn.Module, snapshot_step: int, calls: list[For
             report.cause_class, report.where = "data_nonfinite", f"forward inputs, {fields[0]['field']}"
             report.fix = "check the data pipeline for the samples named (NaN/Inf in the input)"
             break
-        tracer, bad = _run(model, call, set_rng)
+        tracer, bad = _run(model, call, set_rng, autocast_dtype)
         tried.append(call.step)
         if bad:
             _forward(report, cast(Recipe, _Holder(model)), tracer)  # _forward reads .model only
@@ -129,8 +139,12 @@ def localize_forward(model: torch.nn.Module, snapshot_step: int, calls: list[For
               snapshot_step=snapshot_step, forward_steps_tried=tried, replayed_loss=math.nan)
     ev["warning"] = (f"forward-only verdict: the loss, backward and optimizer step were not checked; to "
                      f"check them, {HOW_TO_ENABLE}")
+    rec = (recorded_losses or {}).get(report.step)
+    report.recorded_nonfinite = rec is not None and not math.isfinite(rec)
+    ev["autocast_dtype"] = str(autocast_dtype).removeprefix("torch.") if autocast_dtype is not None else None
     if report.phase == "none":
-        report.cause = (f"the model's forward of steps {tried or [first_step]} is finite on snapshot "
+        seen = f"the run recorded loss {rec!r} at step {report.step}, but " if report.recorded_nonfinite else ""
+        report.cause = (f"{seen}the model's forward of steps {tried or [first_step]} is finite on snapshot "
                         f"{snapshot_step}'s parameters: the non-finite value was made in the loss, "
                         "backward or optimizer step, or by parameters changed since the snapshot")
         report.fix = HOW_TO_ENABLE

@@ -100,6 +100,8 @@ def localize(recipe: Recipe, step: int, batch: Any, rng: Any, record: dict[str, 
     record = record or {}
     report = Report(run_id="", rank=0, step=step, requested_step=step, phase="none")
     tracer = Tracer(recipe.model, lambda: _namer(recipe))
+    tracer.set_batch(batch[0] if recipe.accumulation_steps > 1 and isinstance(batch, (list, tuple)) and batch
+                     else batch)
     seen: dict[str, Any] = {"micro_losses": [], "stepped": False}
 
     def on_phase(phase: str) -> None:
@@ -238,7 +240,8 @@ def _forward(report: Report, recipe: Recipe, tracer: Tracer) -> Report:
     _place(report, b.module, b.module_type)
     report.op = b.op
     report.parameters = _module_params(recipe, b.module)
-    report.evidence.update(op_inputs=b.inputs, op_output=b.output, micro_batch=b.micro, kind=b.kind)
+    report.evidence.update(op_inputs=b.inputs, op_output=b.output, micro_batch=b.micro, kind=b.kind,
+                           samples=b.samples)
     if b.call is not None:
         report.evidence["module_call"] = tracer.calls[b.call].stats()
     return _set_cause(report, Facts("forward", b.op, b.kind, b.inputs, b.output))
@@ -270,7 +273,8 @@ def _backward(report: Report, recipe: Recipe, tracer: Tracer, bad_grads: list[st
         _place(report, masked_fwd.module, masked_fwd.module_type)
         report.op = masked_fwd.op
         report.evidence.update(op_inputs=masked_fwd.inputs, op_output=masked_fwd.output, kind=masked_fwd.kind,
-                               micro_batch=masked_fwd.micro, masked_forward_birth=masked_fwd.summary())
+                               micro_batch=masked_fwd.micro, masked_forward_birth=masked_fwd.summary(),
+                               samples=masked_fwd.samples)
         return _set_cause(report, Facts("backward", masked_fwd.op, masked_fwd.kind, masked_fwd.inputs,
                                         masked_fwd.output, forward_op=masked_fwd.op, masked_forward=True))
     assert b is not None
@@ -279,7 +283,7 @@ def _backward(report: Report, recipe: Recipe, tracer: Tracer, bad_grads: list[st
     report.autograd_node = b.autograd_node
     report.evidence.update(op_inputs=b.inputs, op_output=b.output, micro_batch=b.micro, kind=b.kind,
                            primitive=b.op, forward_op=b.forward_op, custom_function=b.custom_function,
-                           where_branch=b.where_branch)
+                           where_branch=b.where_branch, samples=b.samples)
     return _set_cause(report, Facts("backward", b.op, b.kind, b.inputs, b.output, node=b.autograd_node,
                                     forward_op=b.forward_op, custom_function=b.custom_function,
                                     where_branch=b.where_branch, zero_grad=recipe.zero_grad))

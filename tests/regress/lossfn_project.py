@@ -5,7 +5,10 @@ project in a temp dir, trained in a subprocess.
 optimizer whose constructor takes a required argument (``StaticScaleAdam(params, lr, loss_scale)``)
 in the script itself, trains under ``if __name__ == "__main__":`` and plants a forward overflow:
 row 3 of step ``NAN_STEP``'s batch is 1e25, finite, and its square after ``fc1`` overflows float32
-(``aten.mul`` in ``CountNet.forward``). ``HOG=gil`` makes the loss_fn hold the GIL for seconds in
+(``aten.mul`` in ``CountNet.forward``); ``FAULT=backward`` makes that row 0 instead, and the
+model's row norm ``sqrt`` has an infinite derivative there; ``FAULT=fp16`` makes it 1e5, which
+overflows float16 only (``AUTOCAST=float16``). ``NO_LOSS_FN=1`` attaches without loss_fn
+(forward-only). ``HOG=gil`` makes the loss_fn hold the GIL for seconds in
 one C call (a regular expression with catastrophic backtracking); ``HOG=hang`` makes it sleep for
 ever. Each step's wall time goes to ``steps.json``.
 """
@@ -26,6 +29,7 @@ BUGGY = "        h = h * h\n"
 FIXED = "        h = h * torch.tanh(h)\n"
 
 TRAIN = '''"""A plain loop, attached with loss_fn (README quickstart)."""
+import contextlib
 import json
 import os
 import re
@@ -40,12 +44,17 @@ from sentineld.agent import attach
 
 
 class CountNet(nn.Module):
-    def __init__(self, width):
+    def __init__(self, width, norm=False):
         super().__init__()
+        self.norm = norm
+        self.scale = nn.Parameter(torch.ones(8))
         self.fc1 = nn.Linear(8, width)
         self.fc2 = nn.Linear(width, 3)
 
     def forward(self, x):
+        if self.norm:  # a row of zeros: sqrt at 0, finite forward, infinite gradient
+            z = x * self.scale
+            x = z / (z.pow(2).sum(1, keepdim=True).sqrt() + 1)
         h = torch.relu(self.fc1(x))
 ''' + BUGGY + '''        return self.fc2(h)
 
@@ -67,7 +76,8 @@ def batch(step):
     g = torch.Generator().manual_seed(100 + step)
     x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
     if step == NAN_STEP:
-        x[BAD_ROW] = 1e25
+        fault = os.environ.get("FAULT")
+        x[BAD_ROW] = 0.0 if fault == "backward" else 1e5 if fault == "fp16" else 1e25
     return x, y
 
 
@@ -75,17 +85,21 @@ if __name__ == "__main__":
     import sentineld.agent.localize_live as live
     live.CLOSE_WAIT_S = float(os.environ.get("CLOSE_WAIT_S", live.CLOSE_WAIT_S))
     torch.manual_seed(0)
-    model = CountNet(12)
+    model = CountNet(12, norm=os.environ.get("FAULT") == "backward")
     opt = StaticScaleAdam(model.parameters(), lr=1e-2, loss_scale=4.0)
-    watch = attach(model, opt, run_id=sys.argv[2], runs_dir=sys.argv[1], metrics_port=0,
-                   loss_fn=lambda model, batch: (hog(), F.cross_entropy(model(batch[0]), batch[1]))[1])
+    loss_fn = None if os.environ.get("NO_LOSS_FN") else (
+        lambda model, batch: (hog(), F.cross_entropy(model(batch[0]), batch[1]))[1])
+    watch = attach(model, opt, run_id=sys.argv[2], runs_dir=sys.argv[1], metrics_port=0, loss_fn=loss_fn)
+    cast = os.environ.get("AUTOCAST")
+    autocast = (torch.autocast("cpu", dtype=getattr(torch, cast)) if cast else contextlib.nullcontext())
     times = []
     steps = int(os.environ.get("STEPS", "8"))
     for step in range(steps):
         t0 = time.perf_counter()
         x, y = batch(step)
         opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
+        with autocast:
+            loss = F.cross_entropy(model(x).float(), y)
         loss.backward()
         opt.step()
         watch.step(loss, batch=(x, y))

@@ -46,6 +46,7 @@ def test_loss_fn_run_gets_verdict_replay_and_a_movable_regression_test(tmp_path:
     assert own.get("result") != "failed", own
     assert (own["phase"], own["op"], own["step"], own["module_type"]) == ("forward", "aten.mul", lp.NAN_STEP, "CountNet")
     assert own["evidence"]["in_process"]["mode"] == "process"
+    assert own["evidence"]["samples"] == [lp.BAD_ROW]  # the record to look at
 
     # The command the alert prints works without a recipe, and agrees.
     r = _cli("replay", str(run_dir), "--step", str(lp.NAN_STEP), "--json")
@@ -53,6 +54,9 @@ def test_loss_fn_run_gets_verdict_replay_and_a_movable_regression_test(tmp_path:
     rep = json.loads(r.stdout)
     assert (rep["phase"], rep["op"], rep["module_type"], rep["reproduced"]) == ("forward", "aten.mul", "CountNet", True)
     assert rep["steps_rebuilt"] == lp.NAN_STEP  # snapshot at 0: steps 0..4 re-executed bit for bit
+    assert rep["evidence"]["samples"] == [lp.BAD_ROW]
+    text = _cli("replay", str(run_dir), "--step", str(lp.NAN_STEP)).stdout
+    assert f"samples: [{lp.BAD_ROW}]" in text
 
     # The regression test, written into the project, then the project moved (a checkout elsewhere).
     r = _cli("regress", str(run_dir), "-o", str(project / "tests"), cwd=project)
@@ -71,6 +75,16 @@ def test_loss_fn_run_gets_verdict_replay_and_a_movable_regression_test(tmp_path:
     good = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(mtest)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert good.returncode == 0 and "1 passed" in good.stdout, good.stdout + good.stderr
+
+
+@pytest.mark.slow
+def test_a_backward_verdict_names_the_sample(tmp_path: Path) -> None:
+    """Issue 22: forward and backward verdicts say which rows of the batch went non-finite first."""
+    project = lp.write_project(tmp_path / "project")
+    run = lp.train(project, tmp_path / "runs", FAULT="backward", CLOSE_WAIT_S="240")
+    v = json.loads(verdict_path(_capture(run["run_dir"])).read_text())
+    assert (v["phase"], v["op"], v["autograd_node"]) == ("backward", "aten.sqrt", "SqrtBackward0"), v
+    assert v["evidence"]["samples"] == [lp.BAD_ROW]
 
 
 @pytest.mark.slow
@@ -94,3 +108,29 @@ def test_close_waits_a_bounded_time_for_a_hung_loss_fn(tmp_path: Path) -> None:
     assert run["close_s"] < 2 + 5, run["close_s"]  # 120 s on 49179bb
     failed = json.loads(verdict_path(_capture(run["run_dir"])).read_text())
     assert failed["result"] == "failed" and "deadline" in failed["reason"]
+
+
+@pytest.mark.slow
+def test_forward_only_script_class_autocast_and_a_backward_fault(tmp_path: Path) -> None:
+    """Issue 22, forward-only by hand: a model class of the training script with a constructor
+    argument is rebuilt by ``sentineld replay``; the run's float16 autocast is honoured (the
+    overflow exists only there); a backward fault's verdict does not deny the recorded NaN loss
+    and says each sentence once. On 49179bb: "cannot be imported", "not checked" / phase none,
+    "every value finite" with "recorded run non-finite here: False"."""
+    project = lp.write_project(tmp_path / "project")
+    run = lp.train(project, tmp_path / "runs", "fp16", NO_LOSS_FN="1", FAULT="fp16", AUTOCAST="float16")
+    own = json.loads(verdict_path(_capture(run["run_dir"])).read_text())
+    assert (own["phase"], own["module"], own["evidence"]["autocast_dtype"]) == ("forward", "fc1", "float16"), own
+    r = _cli("replay", str(run["run_dir"]), "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert (rep["phase"], rep["module"], rep["op"]) == (own["phase"], own["module"], own["op"])
+
+    run = lp.train(project, tmp_path / "runs", "fwd-bwd", NO_LOSS_FN="1", FAULT="backward")
+    own = json.loads(verdict_path(_capture(run["run_dir"])).read_text())
+    assert own["phase"] == "none" and own["recorded_nonfinite"] is True
+    r = _cli("replay", str(run["run_dir"]))
+    text = r.stdout
+    assert "every value finite" not in text and "recorded run non-finite here: True" in text, text
+    sentences = [s.strip() for line in text.splitlines() for s in line.split(";") if len(s.strip()) > 30]
+    assert len(sentences) == len(set(sentences)), text

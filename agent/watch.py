@@ -59,7 +59,7 @@ from .recorder import StepRecorder
 from .ring import Ring
 from .runfiles import open_run_files
 from .runinfo import dist_rank, unwrap
-from .wiring import check_args, run_extra, start_disk_ring, start_metrics
+from .wiring import check_args, record_metrics_port, run_extra, start_disk_ring, start_metrics
 
 __all__ = ["Watch"]
 
@@ -121,6 +121,8 @@ class Watch:
         self.latest = Latest(ring_bound_bytes=self.memory.total)
         self._server, self.metrics_port = start_metrics(cfg, self.latest, self.run_id, self.rank,
                                                         local_rank, self.enabled)
+        if self.metrics_port is not None:
+            record_metrics_port(self.run_dir, self.rank, self.metrics_port)
         self._closed = False
         # Imported now, not at the first capture: the exit paths (atexit, excepthook) write
         # captures, and a first `import h5py` from an atexit handler segfaults (h5py 3.16).

@@ -79,7 +79,10 @@ def load_recipe_factory(recipe: str, cwd: str, *, trust: bool, named_by: list[Pa
         UntrustedError: a checked file is not safely ours.
         RecipeError: the module or function cannot be imported.
     """
-    mod_name, _, fn_name = recipe.partition(":")
+    mod_name, colon, fn_name = recipe.partition(":")
+    if not colon or not mod_name or not fn_name:
+        raise RecipeError(f"recipe {recipe!r} must be 'module:function' (for a function make_recipe in "
+                          f"train.py: 'train:make_recipe'; here, say '{mod_name or recipe}:make_recipe')")
     cwd_path = Path(cwd)
     files = recipe_files(mod_name, cwd_path) + list(named_by)
     _TRUST.set(trust)

@@ -151,6 +151,9 @@ def hists_svg(hs: Sequence[Hist], title: str, name: str) -> str:
     for ax, h in zip(axes.flat, hs):
         if h.values.size:
             ax.hist(h.values, bins=50, color="#1f77b4", log=True)
+            # Decades only: minor labels (6x10^0, 4x10^0, ...) crowd a small panel.
+            ax.yaxis.set_major_locator(LogLocator(base=10, numticks=4))
+            ax.yaxis.set_minor_formatter(NullFormatter())
         label = f"{h.name}\n{list(h.shape)} {h.dtype}"
         if h.nonfinite:
             label += f"\n{h.nonfinite} non-finite of {h.numel}"

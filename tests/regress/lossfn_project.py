@@ -8,7 +8,7 @@ row 3 of step ``NAN_STEP``'s batch is 1e25, finite, and its square after ``fc1``
 (``aten.mul`` in ``CountNet.forward``); ``FAULT=backward`` makes that row 0 instead, and the
 model's row norm ``sqrt`` has an infinite derivative there; ``FAULT=fp16`` makes it 1e5, which
 overflows float16 only (``AUTOCAST=float16``). ``NO_LOSS_FN=1`` attaches without loss_fn
-(forward-only). ``HOG=gil`` makes the loss_fn hold the GIL for seconds in
+(forward-only); ``OPT=adam`` uses torch's Adam. ``HOG=gil`` makes the loss_fn hold the GIL for seconds in
 one C call (a regular expression with catastrophic backtracking); ``HOG=hang`` makes it sleep for
 ever. Each step's wall time goes to ``steps.json``.
 """
@@ -83,10 +83,11 @@ def batch(step):
 
 if __name__ == "__main__":
     import sentineld.agent.localize_live as live
-    live.CLOSE_WAIT_S = float(os.environ.get("CLOSE_WAIT_S", live.CLOSE_WAIT_S))
+    live.CLOSE_WAIT_S = float(os.environ.get("CLOSE_WAIT_S", getattr(live, "CLOSE_WAIT_S", 30)))
     torch.manual_seed(0)
     model = CountNet(12, norm=os.environ.get("FAULT") == "backward")
-    opt = StaticScaleAdam(model.parameters(), lr=1e-2, loss_scale=4.0)
+    opt = (torch.optim.Adam(model.parameters(), lr=1e-2) if os.environ.get("OPT") == "adam"
+           else StaticScaleAdam(model.parameters(), lr=1e-2, loss_scale=4.0))
     loss_fn = None if os.environ.get("NO_LOSS_FN") else (
         lambda model, batch: (hog(), F.cross_entropy(model(batch[0]), batch[1]))[1])
     watch = attach(model, opt, run_id=sys.argv[2], runs_dir=sys.argv[1], metrics_port=0, loss_fn=loss_fn)

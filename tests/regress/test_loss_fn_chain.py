@@ -93,7 +93,7 @@ def test_a_loss_fn_holding_the_gil_does_not_stall_training(tmp_path: Path) -> No
     calls it once per replayed step. Training's steps meanwhile stay within a fraction of a
     second (on 49179bb, in a thread, each such call stalled a training step for as long)."""
     project = lp.write_project(tmp_path / "project")
-    run = lp.train(project, tmp_path / "runs", HOG="gil", HOG_N="28", STEPS="60", STEP_SLEEP="0.1",
+    run = lp.train(project, tmp_path / "runs", HOG="gil", HOG_N="28", OPT="adam", STEPS="60", STEP_SLEEP="0.1",
                    CLOSE_WAIT_S="5")
     after = run["steps"][lp.NAN_STEP + 1:]
     assert max(after) < 1.0, f"a training step took {max(after):.2f} s while the loss_fn held the GIL"
@@ -104,7 +104,7 @@ def test_a_loss_fn_holding_the_gil_does_not_stall_training(tmp_path: Path) -> No
 @pytest.mark.slow
 def test_close_waits_a_bounded_time_for_a_hung_loss_fn(tmp_path: Path) -> None:
     project = lp.write_project(tmp_path / "project")
-    run = lp.train(project, tmp_path / "runs", HOG="hang", CLOSE_WAIT_S="2")
+    run = lp.train(project, tmp_path / "runs", HOG="hang", CLOSE_WAIT_S="2", OPT="adam")
     assert run["close_s"] < 2 + 5, run["close_s"]  # 120 s on 49179bb
     failed = json.loads(verdict_path(_capture(run["run_dir"])).read_text())
     assert failed["result"] == "failed" and "deadline" in failed["reason"]

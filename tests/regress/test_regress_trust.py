@@ -47,7 +47,7 @@ def test_a_recipe_string_with_triple_quotes_stays_data(shared: Path, tmp_path: P
     meta = json.loads((run_dir / "run.json").read_text())
     meta["recipe"] = f'trainmod:make"""\nimport pathlib; pathlib.Path({str(marker)!r}).write_text("ran")\n"""'
     (run_dir / "run.json").write_text(json.dumps(meta))
-    r = _cli("regress", str(run_dir), "-o", str(tmp_path / "out"), "--trust")
+    r = _cli("regress", str(run_dir), "-o", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr
     test = Path(r.stdout.splitlines()[0])
     # The only string literals of the test are its own text and the sidecar's name.

@@ -147,8 +147,7 @@ class LiveLocalizer:
         :mod:`sentineld.contracts.structure`; ``localize_process_off`` says why a ``loss_fn`` run
         localizes in a thread (its live objects cannot be rebuilt in a child). Never raises.
         """
-        from sentineld.contracts.structure import (function_ref, module_tree, optimizer_tree,  # noqa: PLC0415
-                                                   problems, scheduler_tree)
+        from sentineld.contracts.structure import function_ref, module_tree, optimizer_tree, problems, scheduler_tree  # noqa: PLC0415
         try:
             tree = module_tree(self.model)
             if self.forward_only:

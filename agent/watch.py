@@ -47,11 +47,11 @@ import torch
 from sentineld.contracts.rundir import RunDir, default_runs_dir
 from sentineld.contracts.triggers import CRASH, MANUAL
 
+from . import localize_live
 from .agent_config import AgentConfig
 from .capturer import CaptureWriter
 from .exits import EXITS
 from .exporter import Latest
-from . import localize_live
 from .localize_live import make_localizer
 from .memory import memory_bound
 from .peers import peer_incidents

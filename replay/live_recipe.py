@@ -25,8 +25,14 @@ import torch
 
 from sentineld.contracts.recipe import Recipe
 from sentineld.contracts.rundir import RunMeta
-from sentineld.contracts.structure import (StructureError, build_module, build_optimizer, build_scheduler,
-                                           decode_value, unguarded_statements)
+from sentineld.contracts.structure import (
+    StructureError,
+    build_module,
+    build_optimizer,
+    build_scheduler,
+    decode_value,
+    unguarded_statements,
+)
 
 __all__ = ["LIVE_RECIPE", "recipe_of", "recipe_from_run", "Loader", "unguarded_statements"]
 
@@ -164,7 +170,8 @@ def recipe_from_run(*, model: dict[str, Any], optimizer: dict[str, Any], loss_fn
     sched = build_scheduler(scheduler, opt, load, load.function) if scheduler else None
     grad_scaler = None
     if scaler:
-        grad_scaler = torch.amp.GradScaler(str(scaler.get("device") or "cuda"), enabled=bool(scaler.get("enabled", True)))
+        grad_scaler = torch.amp.GradScaler(str(scaler.get("device") or "cuda"),
+                                           enabled=bool(scaler.get("enabled", True)))
     dt = decode_value({"__dtype__": autocast_dtype}, load) if autocast_dtype else None
     return Recipe(model=net, optimizer=opt, loss_fn=load.function(loss_fn), scheduler=sched, scaler=grad_scaler,
                   clip_grad_norm=clip_grad_norm, accumulation_steps=int(accumulation_steps),

@@ -195,12 +195,16 @@ def optimizer_tree(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> d
         if missing:
             raise StructureError(f"the optimizer holds tensors that are not parameters of the model "
                                  f"(shapes {missing[:4]})")
-        hyper, bad = {}, []
+        hyper: dict[str, Any] = {}
+        bad: list[str] = []
         for k, v in g.items():
             if k == "params":
                 continue
             ok, enc = encode_value(v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v)
-            (hyper.__setitem__(k, enc) if ok else bad.append(k))
+            if ok:
+                hyper[k] = enc
+            else:
+                bad.append(k)
         opaque += [f"param_groups[].{k}" for k in bad]
         groups.append({"params": [names[id(p)] for p in g["params"]], "hyper": hyper})
     ok, defaults = encode_value({k: v for k, v in optimizer.defaults.items()

@@ -48,7 +48,7 @@ def read_sidecar(sidecar: str | os.PathLike[str]) -> dict[str, Any]:
     if len(raw) > MAX_SIDECAR_BYTES:
         raise ValueError(f"{path} is over {MAX_SIDECAR_BYTES} bytes: not a sentineld regress sidecar")
     data = json.loads(raw)
-    if not isinstance(data, dict) or not isinstance(data.get("recipe"), str) or not isinstance(data.get("fixture"), str):
+    if not (isinstance(data, dict) and isinstance(data.get("recipe"), str) and isinstance(data.get("fixture"), str)):
         raise ValueError(f"{path} is not a sentineld regress sidecar (no recipe/fixture)")
     fixture = path.parent / Path(data["fixture"]).name
     if not fixture.is_file():

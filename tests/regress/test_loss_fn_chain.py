@@ -93,7 +93,7 @@ def test_a_loss_fn_holding_the_gil_does_not_stall_training(tmp_path: Path) -> No
     calls it once per replayed step. Training's steps meanwhile stay within a fraction of a
     second (on 49179bb, in a thread, each such call stalled a training step for as long)."""
     project = lp.write_project(tmp_path / "project")
-    run = lp.train(project, tmp_path / "runs", HOG="gil", HOG_N="28", OPT="adam", STEPS="60", STEP_SLEEP="0.1",
+    run = lp.train(project, tmp_path / "runs", HOG="gil", HOG_N="31", OPT="adam", STEPS="60", STEP_SLEEP="0.1",
                    CLOSE_WAIT_S="5")
     after = run["steps"][lp.NAN_STEP + 1:]
     assert max(after) < 1.0, f"a training step took {max(after):.2f} s while the loss_fn held the GIL"

@@ -19,12 +19,12 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .context import Probe
-from .result import FAIL, PASS, WARN, Check
+from .result import PASS, WARN, Check
 
 __all__ = ["check_heldout", "MIN_GAIN", "PASSES"]
 
 #: The trained copy must beat the baseline's held-out loss by this share (5%) to pass, else the
-#: check fails. Measured: a within-batch label shuffle of a 4-class problem 3% (noise), its real
+#: check warns. Measured: a within-batch label shuffle of a 4-class problem 3% (noise), its real
 #: labels 54% (tests/preflight/test_heldout.py).
 MIN_GAIN = 0.05
 #: Passes over the training batches.
@@ -67,7 +67,9 @@ def check_heldout(probe: Probe) -> Check:
     if gain >= MIN_GAIN:
         return Check("heldout", PASS, f"held-out loss {real:.4g} after {PASSES} passes over {len(train)} batches, "
                      f"below the input-independent baseline {base:.4g}", ev)
-    return Check("heldout", FAIL,
+    # WARN, not FAIL: synthetic data with random labels (a smoke test of the pipeline) is
+    # legitimate and looks the same; real data whose labels do not beat the baseline is a bug.
+    return Check("heldout", WARN,
                  f"held-out loss {real:.4g} is {'not below' if gain <= 0 else 'barely below'} the baseline "
                  f"{base:.4g} of a model that never sees the inputs: the labels do not follow from the inputs",
                  ev, "check that labels stay with their samples (shuffling, collate, sorting); the method: "

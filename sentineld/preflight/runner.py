@@ -13,11 +13,11 @@ import torch
 from .context import Probe, StepFn, copy_pair, default_step, rng_guard, slice_batch, split_batch
 from .data_checks import check_inputs, check_labels
 from .grad_checks import check_gradcheck, check_gradient_flow, check_gradients_applied
+from .heldout import check_heldout
 from .loss_checks import check_initial_loss, check_output_vs_loss, check_shapes
 from .lossinfo import loss_info
 from .result import FAIL, SKIP, Check
 from .trace import trace_forward
-from .heldout import check_heldout
 from .training import check_lr_range, check_overfit
 from .units import check_dead_units
 

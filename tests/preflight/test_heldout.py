@@ -1,5 +1,5 @@
 """Issue 22: labels permuted within each batch passed every preflight check on 49179bb (one batch
-is memorised); the held-out check fails them and passes the same data with its real labels."""
+is memorised); the held-out check warns on them and passes the same data with its real labels."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _run(shuffle: bool) -> dict:
 
 def test_shuffled_labels_fail_the_heldout_check_real_labels_pass() -> None:
     bad = _run(shuffle=True)
-    assert bad["heldout"].status == "FAIL", bad["heldout"]
+    assert bad["heldout"].status == "WARN", bad["heldout"]  # never PASS (random-label smoke data warns too)
     assert bad["overfit_one_batch"].status != "FAIL"  # what let it through before
     good = _run(shuffle=False)
     assert good["heldout"].status == "PASS", good["heldout"]

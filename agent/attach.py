@@ -32,7 +32,13 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: A
             needed. Without it and without a recipe, forward NaNs are still localized.
         localize: ``"thread"`` (default: in a background thread after the capture; memory: a
             second copy of model + optimizer state while it runs, logged at attach) or ``"off"``.
-        clip_grad_norm: the max norm the loop clips gradients to, for the in-process replay.
+        clip_grad_norm: the max norm the loop clips gradients to (``clip_grad_norm_`` before
+            ``optimizer.step()``): the recorded grad norm is then the pre-clip one, taken at the
+            end of backward, and each record's ``clipped`` says whether the clip applied; the
+            in-process replay clips the same way. Under DDP the norm stays the one at the step.
+        signatures: this run's signature settings over the daemon's, e.g.
+            ``{"plateau": {"enabled": False}, "exploding_gradients": {"ratio": 20.0}}`` (stored
+            in run.json; keys as in the daemon config's ``signatures`` section, docs/signatures.md).
         config: :class:`AgentConfig`, or pass its fields as keywords (e.g. ``metrics_port=0``).
 
     Raises:

@@ -22,6 +22,7 @@ import numpy as np
 from sentineld.contracts.h5write import disk_full_error
 from sentineld.contracts.ringformat import Packer, snap_file, step_file, write_ring_file
 from sentineld.contracts.rundir import RunDir
+from sentineld.contracts.safeio import write_atomic
 
 __all__ = ["DiskRingWriter"]
 
@@ -63,9 +64,7 @@ class DiskRingWriter:
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         info = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "window": window,
                 **(meta or {})}
-        fd = os.open(init / "meta.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(info, f)
+        write_atomic(init / "meta.json", json.dumps(info), durable=False)
         os.rename(init, d)
         self.dir = d
         self.window = window

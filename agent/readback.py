@@ -87,6 +87,9 @@ class Readback:
             p = self._pending.popleft()
             loss, gnorm, lr_t, scale, batch_sum = (None if v is None else float(v) for v in p.values)
             fields = dict(p.fields)
+            clip = fields.pop("clip_grad_norm", None)
+            # clip_grad_norm_ rescales unless total <= max_norm (a nan/inf total too)
+            fields["clipped"] = None if clip is None or gnorm is None else not gnorm <= clip
             if lr_t is not None:
                 fields["lr"] = lr_t
             if batch_sum is not None:

@@ -6,7 +6,8 @@ Order within one step (plain loop):
 1. :meth:`StepRecorder.begin` at the first training forward: the localizer's forward-argument
    copy, a due snapshot, the RNG states (:class:`~.rngread.RngReader`).
 2. :meth:`StepRecorder.grads_ready` at the optimizer step pre-hook: the fused global grad norm,
-   on device.
+   on device; when the loop clips (``clip_grad_norm=``), the norm :meth:`StepRecorder.backward_done`
+   took at the end of backward, before the clipping, and the record says whether it clipped.
 3. :meth:`StepRecorder.record` at ``watch.step``: the batch copied to host once
    (:class:`~.ring.HostCopies`), the ring entry, the device values queued for readback; then
    records whose values landed are resolved (stream line, exporter, incident policy) and a due
@@ -65,7 +66,8 @@ class StepRecorder:
                  scaler: Any, *, config: AgentConfig, stream: StreamWriter, latest: Latest,
                  writer: CaptureWriter, disk: DiskRingWriter | None, live: LiveLocalizer | None,
                  probes: Any, rank: int, device: torch.device, clock: Callable[[], float],
-                 wall_clock: Callable[[], float], peers: PeerIncidents | None = None) -> None:
+                 wall_clock: Callable[[], float], peers: PeerIncidents | None = None,
+                 clip_grad_norm: float | None = None) -> None:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self._lazy_done = False
         self._last_loss: weakref.ref[torch.Tensor] | None = None
@@ -91,6 +93,8 @@ class StepRecorder:
         self.probe_checked = False
         self._gnorm: torch.Tensor | None = None
         self._pre_hook_ran = False
+        self.clip_grad_norm = clip_grad_norm
+        self._bw_norm: torch.Tensor | None = None  # pre-clip norm at the end of backward
 
     # ------------------------------------------------------------- hook side
     def begin(self, args: Any, kwargs: Any) -> None:
@@ -111,9 +115,22 @@ class StepRecorder:
         if self.probes is not None:
             self.probes.begin_step(self.n)
 
+    def backward_done(self) -> None:
+        """A backward finished (the loop clips, ``clip_grad_norm=``): take the global grad norm
+        now, before the loop clips it; unscaled by the GradScaler's scale on device (no sync).
+        With accumulation the last micro-batch's backward gives the step's norm."""
+        g = grad_norm(self.optimizer)
+        scaler = self.scaler
+        if g is not None and scaler is not None and getattr(scaler, "is_enabled", lambda: False)():
+            scale = getattr(scaler, "_scale", None)
+            if isinstance(scale, torch.Tensor):
+                g = g / scale.to(g.device, non_blocking=True).float().reshape(())
+        self._bw_norm = g
+
     def grads_ready(self) -> None:
-        """The gradients are complete: take the global grad norm (on device, no sync)."""
-        self._gnorm = grad_norm(self.optimizer)
+        """The gradients are complete: take the global grad norm (on device, no sync), or use
+        the pre-clip one of :meth:`backward_done`."""
+        self._gnorm = self._bw_norm if self._bw_norm is not None else grad_norm(self.optimizer)
         self._pre_hook_ran = True
 
     # ------------------------------------------------------------------ step
@@ -126,9 +143,10 @@ class StepRecorder:
         step_s, self._t_last = now - self._t_last, now
         self.schedule.step_time(step_s)
         skipped = not self._pre_hook_ran
-        gnorm = self._gnorm if self._pre_hook_ran else grad_norm(self.optimizer)
+        gnorm = self._gnorm if self._pre_hook_ran else (
+            self._bw_norm if self._bw_norm is not None else grad_norm(self.optimizer))
         forward_seen = self.step_started
-        self._gnorm, self._pre_hook_ran, self.step_started = None, False, False
+        self._gnorm, self._pre_hook_ran, self.step_started, self._bw_norm = None, False, False, None
         loss_t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         groups = self.optimizer.param_groups
         lr = groups[0].get("lr") if groups else None
@@ -150,7 +168,8 @@ class StepRecorder:
         fields = {"step": n, "step_s": step_s, "time_s": self.wall(), "optimizer_skipped": skipped,
                   "layers": layers or None, "param_nonfinite": params_nonfinite(layers),
                   "rank": self.rank, "grads_carried": self.grads_carried,
-                  "lr": float(lr) if lr is not None and not isinstance(lr, torch.Tensor) else None}
+                  "lr": float(lr) if lr is not None and not isinstance(lr, torch.Tensor) else None,
+                  "clip_grad_norm": self.clip_grad_norm}
         event = self.readback.push(n, values, fields, entry)
         self.n += 1
         self._after(entry, event, forward_seen)

@@ -6,14 +6,13 @@ import logging
 import os
 import socket
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from sentineld.contracts.rundir import stream_path, valid_run_id
+from sentineld.contracts.rundir import valid_run_id
 
-__all__ = ["dist_rank", "default_run_id", "job_attempt", "unwrap", "torch_flags", "unused_run_id"]
+__all__ = ["dist_rank", "default_run_id", "job_attempt", "unwrap", "torch_flags"]
 
 log = logging.getLogger("sentineld.agent")
 
@@ -87,20 +86,3 @@ def torch_flags() -> dict[str, Any]:
             "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
             "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
             "float32_matmul_precision": torch.get_float32_matmul_precision()}
-
-
-def unused_run_id(parent: Path, run_id: str, rank: int) -> str:
-    """``run_id``, or ``run_id.2``, ``.3``... when this rank already wrote a stream under it.
-
-    Re-running a script with a fixed run id must not append to the old stream or overwrite its
-    captures (the daemon would see nothing new). All ranks of a relaunched job skip the same ids.
-    """
-    candidate, n = run_id, 1
-    while stream_path(parent / candidate, rank).exists():
-        n += 1
-        suffix = f".{n}"
-        candidate = run_id[: 128 - len(suffix)] + suffix  # run ids are at most 128 characters
-    if candidate != run_id:
-        log.warning("sentineld: run %s already has a stream for rank %d; this run is %s",
-                    run_id, rank, candidate)
-    return candidate

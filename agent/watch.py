@@ -59,7 +59,7 @@ from .recorder import StepRecorder
 from .ring import Ring
 from .runfiles import open_run_files
 from .runinfo import dist_rank, unwrap
-from .wiring import check_args, record_metrics_port, run_extra, start_disk_ring, start_metrics
+from .wiring import check_args, check_signatures, record_metrics_port, run_extra, start_disk_ring, start_metrics
 
 __all__ = ["Watch"]
 
@@ -94,11 +94,13 @@ class Watch:
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
         localize: str = "auto",
         clip_grad_norm: float | None = None,
+        signatures: dict[str, dict[str, Any]] | None = None,
         config: AgentConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         run_id = check_args(model, optimizer, run_id, recipe, recipe_args)
+        extra = {"signatures": check_signatures(signatures)} if signatures else {}
         cfg = self.config = config or AgentConfig()
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         # DDP/FSDP-style wrappers hold the real model in .module: snapshots and parameter names
@@ -113,7 +115,7 @@ class Watch:
         files = open_run_files(Path(runs_dir or default_runs_dir()).expanduser(), run_id, self.rank, world,
                                recipe=recipe, recipe_args=dict(recipe_args or {}),
                                num_classes=num_classes, flush_s=cfg.flush_s,
-                               wall_clock=wall_clock, extra=run_extra(self._live, localize, self._inner))
+                               wall_clock=wall_clock, extra={**run_extra(self._live, localize, self._inner), **extra})
         self.run_id, self.run_dir, self.stream, self.enabled = files.run_id, files.run_dir, files.stream, files.ok
         if self._live is not None:
             self._live.run_id = self.run_id
@@ -133,8 +135,9 @@ class Watch:
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._writer = CaptureWriter(self.run_dir, self.run_id, self.rank, self._device, self.stream,
                                      self.latest, localizer=self._live)
-        self._install_hooks()
+        self._install_hooks(clip_grad_norm if world == 1 else None)
         self._rec = StepRecorder(self._inner, optimizer, scheduler, scaler, config=cfg, stream=self.stream,
+                                 clip_grad_norm=clip_grad_norm,
                                  latest=self.latest, writer=self._writer, disk=disk, live=self._live,
                                  probes=self._probes, rank=self.rank, device=self._device,
                                  clock=clock, wall_clock=wall_clock,
@@ -151,7 +154,7 @@ class Watch:
         except Exception as exc:  # noqa: BLE001 - the agent must never break training
             self._disable(exc)
 
-    def _install_hooks(self) -> None:
+    def _install_hooks(self, clip_grad_norm: float | None = None) -> None:
         model, optimizer = self.model, self.optimizer
         opt_params = {id(p) for g in optimizer.param_groups for p in g["params"]}
         # A lazy (uninitialized) parameter has no numel until the first forward: not a probe.
@@ -166,6 +169,12 @@ class Watch:
             # Old gradient still in .grad when this step's gradient arrives = not zeroed. Checked
             # here, not at the forward, so zero_grad() between forward and backward is fine.
             self._hooks.append(self._probe_param.register_hook(self._on_probe_grad))
+        if clip_grad_norm is not None and self._probe_param is not None:
+            # The loop clips before optimizer.step(): the grad norm is taken at the end of each
+            # backward instead, pre-clip (issue 21: a clipped norm is a flat max_norm, and
+            # exploding_gradients could never fire). One process only: under DDP the end of
+            # backward may come before the reducer wrote the averaged gradients.
+            self._hooks.append(self._probe_param.register_hook(self._on_backward))
         self._probes = None
         if self.config.layer_every > 0:
             from .probes import attach_probes  # noqa: PLC0415
@@ -218,6 +227,18 @@ class Watch:
             p = self._probe_param
             if p is not None and p.device.type == "cpu":  # on CUDA .any() would sync: unknown
                 rec.grads_carried = p.grad is not None and bool(p.grad.any())
+        except Exception as exc:  # noqa: BLE001
+            self._disable(exc)
+
+    def _on_backward(self, grad: torch.Tensor) -> None:
+        if self.enabled:  # the probe's gradient is computed: the rest of this backward follows
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)  # type: ignore[attr-defined]
+
+    def _backward_done(self) -> None:
+        if not self.enabled:
+            return
+        try:
+            self._rec.backward_done()
         except Exception as exc:  # noqa: BLE001
             self._disable(exc)
 

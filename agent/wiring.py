@@ -50,6 +50,24 @@ def check_args(model: Any, optimizer: Any, run_id: str | None, recipe: str | Non
     return run_id
 
 
+def check_signatures(signatures: Any) -> dict[str, dict[str, Any]]:
+    """``attach(signatures=...)``, checked as the daemon will read it (run.json ``extra``).
+
+    Raises:
+        ValueError: not a mapping of signature id to settings, an unknown signature or key, or
+            a bad value (the message names it; docs/signatures.md lists them).
+    """
+    from sentineld.signatures import SignatureConfig  # noqa: PLC0415
+
+    try:
+        SignatureConfig.from_mapping(signatures)
+        out = {str(k): dict(v) for k, v in signatures.items()}
+        json.dumps(out)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(f"attach(signatures=...): {exc} (see docs/signatures.md)") from None
+    return out
+
+
 def run_extra(live: LiveLocalizer | None, localize: str, inner: torch.nn.Module) -> dict[str, Any]:
     """run.json's in-process localization fields (read by the daemon and the forward-only replay)."""
     # What rebuilds the run without a recipe (`sentineld replay`, `report`, `regress`); resolves

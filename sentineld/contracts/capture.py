@@ -16,8 +16,9 @@ Layout (schema version 1)::
 Snapshot S is the state *before* step S ran, so re-executing steps S..N-1 gives the state before N.
 The gradients at N are not stored: the replay makes them again, bit for bit, from S and the batches
 (captures written before this change may hold a ``/grads`` group; readers ignore it).
-Nothing is pickled: trees are JSON and tensors are datasets. A capture is written to
-``<name>.h5.tmp``, fsynced and renamed, so a capture on disk is whole or absent.
+Nothing is pickled: trees are JSON and tensors are datasets. A capture is written to a
+fresh ``<name>.<hex>.h5.tmp`` (:mod:`sentineld.contracts.safeio`), fsynced and renamed, so a
+capture on disk is whole or absent.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from sentineld.contracts.capture_data import (
     torch_module,
 )
 from sentineld.contracts.h5write import tree_bytes, write_h5_atomic
+from sentineld.contracts.safeio import SafeDir
 from sentineld.contracts.treecodec import TreeCodecError, decode, encode
 
 log = logging.getLogger("sentineld.capture")
@@ -175,6 +177,7 @@ def write_capture(
     forward_calls: Mapping[int, Any] | None = None,
     estimate_bytes: int | None = None,
     torch_version: str | None = None,
+    at: SafeDir | None = None,
 ) -> Path:
     """Write a capture atomically (temp name, fsync, rename) and return its final path.
 
@@ -193,6 +196,7 @@ def write_capture(
         torch_version: recorded in the file; None = the running torch's. With it given, an
             :class:`EncodedTree` snapshot and :class:`EncodedStep` steps are written without
             importing torch.
+        at: ``path``'s directory, opened and checked by the caller (ring recovery); None opens it.
 
     Raises:
         OSError: the file cannot be written (permissions; a full disk gives ``errno.ENOSPC`` and a
@@ -227,7 +231,7 @@ def write_capture(
         if forward_calls:
             _write_forward(f.create_group("forward"), forward_calls)
 
-    write_h5_atomic(path, fill, estimate_bytes, durable=True, what="capture")
+    write_h5_atomic(path, fill, estimate_bytes, durable=True, what="capture", at=at)
     return path
 
 

@@ -4,6 +4,7 @@ captures assembled from an on-disk ring (:mod:`sentineld.daemon.ring_recovery`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import os
@@ -11,18 +12,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from sentineld.contracts.safeio import SafeDir
 from sentineld.contracts.treecodec import map_tensors
 
-__all__ = ["IN_MEMORY_MAX_BYTES", "fsync_path", "disk_full_error", "tree_bytes", "write_h5_atomic"]
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or directory by path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+__all__ = ["IN_MEMORY_MAX_BYTES", "disk_full_error", "tree_bytes", "write_h5_atomic"]
 
 
 def disk_full_error(exc: BaseException, where: Path) -> OSError | None:
@@ -68,8 +61,10 @@ def tree_bytes(tree: Any) -> int:
     return total
 
 
-def write_h5_atomic(path: Path, fill: Any, estimate_bytes: int, *, durable: bool, what: str) -> int:
-    """Write an HDF5 file via ``fill(h5file)`` to ``<path>.tmp``, then rename it to ``path`` (0600).
+def write_h5_atomic(path: Path, fill: Any, estimate_bytes: int, *, durable: bool, what: str,
+                    at: SafeDir | None = None) -> int:
+    """Write an HDF5 file via ``fill(h5file)`` to a fresh temp file, then rename it to ``path`` (0600),
+    through :meth:`sentineld.contracts.safeio.SafeDir.create`.
 
     Args:
         estimate_bytes: about how big the file will be (tensor bytes); decides in-memory
@@ -77,6 +72,8 @@ def write_h5_atomic(path: Path, fill: Any, estimate_bytes: int, *, durable: bool
         durable: fsync the file and its directory (a capture); without, the file still survives
             the death of the process (page cache), only not a power loss.
         what: what it is, for error messages.
+        at: ``path``'s directory already opened and checked (ring recovery writing into a run dir
+            another user owns: the path could be re-pointed after the check); None opens it.
 
     Returns:
         The file's size in bytes.
@@ -87,7 +84,6 @@ def write_h5_atomic(path: Path, fill: Any, estimate_bytes: int, *, durable: bool
     """
     import h5py  # noqa: PLC0415
 
-    tmp = path.with_name(path.name + ".tmp")
     need = int(estimate_bytes * 1.05) + (1 << 20)
     try:
         free = shutil.disk_usage(path.parent).free
@@ -97,36 +93,31 @@ def write_h5_atomic(path: Path, fill: Any, estimate_bytes: int, *, durable: bool
         raise OSError(errno.ENOSPC, f"no space left on device in {path.parent} ({free} bytes free, "
                                     f"about {need} needed for this {what})")
     try:
-        if estimate_bytes <= IN_MEMORY_MAX_BYTES:
-            name = f"sentineld-mem-{os.getpid()}-{next(_mem_files)}.h5"  # never touches the disk
-            # One allocation of about the final size (the core driver grows by 64 KiB otherwise).
-            block = max(1 << 20, min(need, IN_MEMORY_MAX_BYTES + (1 << 20)))
-            with h5py.File(name, "w", driver="core", backing_store=False, block_size=block) as f:
-                fill(f)
-                f.flush()
-                image = f.id.get_file_image()
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
+        # Through the one safe writer: an O_EXCL temp file of an unpredictable name, opened by
+        # descriptor relative to the directory, renamed in it (never through a planted link).
+        with contextlib.ExitStack() as stack:
+            d = at or stack.enter_context(SafeDir.open(path.parent, follow=True))
+            out = stack.enter_context(d.create(path.name, durable=durable))
+            if estimate_bytes <= IN_MEMORY_MAX_BYTES:
+                name = f"sentineld-mem-{os.getpid()}-{next(_mem_files)}.h5"  # never touches the disk
+                # One allocation of about the final size (the core driver grows by 64 KiB otherwise).
+                block = max(1 << 20, min(need, IN_MEMORY_MAX_BYTES + (1 << 20)))
+                with h5py.File(name, "w", driver="core", backing_store=False, block_size=block) as f:
+                    fill(f)
+                    f.flush()
+                    image = f.id.get_file_image()
                 view = memoryview(image)
                 while view:
-                    view = view[os.write(fd, view):]
-                if durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            size = len(image)
-        else:
-            with h5py.File(tmp, "w") as f:
-                fill(f)
-            if durable:
-                fsync_path(tmp)
-            size = tmp.stat().st_size
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-        if durable:
-            fsync_path(path.parent)
+                    view = view[os.write(out.fileno(), view):]
+                size = len(image)
+            else:
+                # HDF5 writes into the file object we created (h5py's fileobj driver), so it never
+                # opens a name: nothing in the run dir can be swapped under it.
+                with h5py.File(out, "w") as f:
+                    fill(f)
+                out.seek(0, os.SEEK_END)
+                size = out.tell()
     except BaseException as exc:
-        tmp.unlink(missing_ok=True)
         full = disk_full_error(exc, path.parent)
         if full is not None and full is not exc:
             raise full from None

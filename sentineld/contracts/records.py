@@ -49,8 +49,10 @@ class StepRecord:
     Attributes:
         step: optimizer step index, 0-based, as counted by the agent.
         loss: loss as passed to ``Watch.step`` (last micro-batch's when accumulating); may be nan/inf.
-        grad_norm: global L2 norm over all parameter gradients before the optimizer step
-            (after unscaling and clipping if the loop does those first); None if no gradient.
+        grad_norm: global L2 norm over all parameter gradients before the optimizer step, after
+            GradScaler unscaling; before clipping when the agent knows the loop clips
+            (``clip_grad_norm=`` in a plain loop, the trainer's setting in Lightning and HF),
+            else after whatever the loop did first; None if no gradient.
         lr: learning rate of the first parameter group after the step; None if absent.
         step_s: wall time of the step in seconds (previous ``Watch.step`` call to this one).
         time_s: Unix time in seconds when the step was recorded.
@@ -65,6 +67,9 @@ class StepRecord:
         input_nonfinite: True when a floating tensor of the batch held nan/inf (every step; None
             when the batch has no floating tensor).
         layers: per-module :class:`LayerStats` on sampled steps, keyed by qualified module name.
+        clipped: True when gradient clipping rescaled this step's gradients (the pre-clip
+            ``grad_norm`` was above the max norm), False when it did not, None when the agent
+            does not know that the loop clips. Absent from streams written before it existed.
     """
 
     step: int
@@ -80,6 +85,7 @@ class StepRecord:
     param_nonfinite: bool | None = None
     input_nonfinite: bool | None = None
     layers: Mapping[str, LayerStats] | None = field(default=None, compare=False)
+    clipped: bool | None = None
 
     @property
     def nonfinite(self) -> bool:

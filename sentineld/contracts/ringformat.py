@@ -35,6 +35,7 @@ import mmap
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ import numpy as np
 
 from sentineld.contracts.capture import EncodedRng, EncodedTree
 from sentineld.contracts.capture_data import tensor_to_numpy
+from sentineld.contracts.safeio import SafeDir, json_depth_ok, open_regular
 from sentineld.contracts.treecodec import encode
 
 __all__ = ["SNAP_FILE", "STEP_FILE", "MAGIC", "Packer", "write_ring_file",
@@ -89,40 +91,43 @@ class Packer:
 
 
 def write_ring_file(path: Path, header: dict[str, Any], packer: Packer) -> None:
-    """Write a ``.ring`` file whole or not at all (tmp + rename, 0600, no fsync)."""
+    """Write a ``.ring`` file whole or not at all (the safe writer's temp + rename, 0600, no fsync)."""
     head = json.dumps(header, allow_nan=True).encode()
     need = packer.size + len(head) + (1 << 20)
     free = shutil.disk_usage(path.parent).free
     if free < need:
         raise OSError(errno.ENOSPC, f"no space left on device in {path.parent} ({free} bytes free, "
                                     f"about {need} needed for {path.name})")
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        try:
-            bufs: list[Any] = [MAGIC + len(head).to_bytes(8, "little") + head,
-                               *(memoryview(a).cast("B") for a in packer.arrays if a.nbytes)]  # type: ignore[arg-type]
-            for buf in bufs:
-                view = memoryview(buf)
-                while view:
-                    view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    bufs: list[Any] = [MAGIC + len(head).to_bytes(8, "little") + head,
+                       *(memoryview(a).cast("B") for a in packer.arrays if a.nbytes)]  # type: ignore[arg-type]
+    with SafeDir.open(path.parent) as d, d.create(path.name, durable=False) as f:
+        fd = f.fileno()
+        for buf in bufs:
+            view = memoryview(buf)
+            while view:
+                view = view[os.write(fd, view):]
 
 
-def read_ring_file(path: Path) -> tuple[dict[str, Any], memoryview, Any]:
-    """``(header, body, mapping)`` of a ``.ring`` file (close ``mapping`` when done)."""
-    with open(path, "rb") as f:
+def read_ring_file(path: Path, at: SafeDir | None = None) -> tuple[dict[str, Any], memoryview, Any]:
+    """``(header, body, mapping)`` of a ``.ring`` file (close ``mapping`` when done).
+
+    Args:
+        at: the ring directory, opened and checked (recovery); None opens ``path``'s folder.
+            Either way only a regular file is opened, never a link or FIFO.
+    """
+    if at is None:
+        f = open_regular(path)
+    else:
+        f = at.open_regular(path.name)
+    with f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
         if mm[:len(MAGIC)] != MAGIC:
             raise ValueError(f"{path.name}: not an on-disk ring file")
         hlen = int.from_bytes(mm[len(MAGIC):len(MAGIC) + 8], "little")
         start = len(MAGIC) + 8
+        if hlen > len(mm) - start or not json_depth_ok(mm[start:start + hlen]):
+            raise ValueError(f"{path.name}: bad header")
         header = json.loads(mm[start:start + hlen])
         if not isinstance(header, dict):
             raise ValueError(f"{path.name}: bad header")
@@ -171,9 +176,12 @@ def ring_rng(packed: dict[str, Any], body: memoryview) -> EncodedRng:
 def ring_state(ring_dir: Path) -> str:
     """``alive`` (its writer holds the lock), ``dead`` (lock free: the writer is gone) or
     ``unknown`` (no lock file: not a ring, or one still being created)."""
-    try:
-        fd = os.open(ring_dir / "lock", os.O_RDWR)
+    try:  # read-only, no link, never blocking: flock needs no write access, a FIFO is no lock
+        fd = os.open(ring_dir / "lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
+        return "unknown"
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
         return "unknown"
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

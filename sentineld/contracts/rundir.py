@@ -16,19 +16,21 @@ import json
 import os
 import re
 import socket
+import stat
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sentineld.contracts.errors import BadInput
-from sentineld.contracts.safeio import MAX_RUN_JSON_BYTES, is_regular, read_regular
+from sentineld.contracts.safeio import MAX_RUN_JSON_BYTES, is_regular, read_json, write_atomic
 
 __all__ = [
     "RUN_SCHEMA_VERSION",
     "RunDirError",
     "RunMeta",
     "make_private_dir",
+    "runs_dir_problem",
     "write_run_meta",
     "read_run_meta",
     "resolve_run",
@@ -110,7 +112,9 @@ def valid_run_id(run_id: str) -> bool:
 
 
 def make_private_dir(path: str | os.PathLike[str]) -> Path:
-    """Create ``path`` (and parents) with mode 0700 for what we create; return it.
+    """Create ``path`` (and parents) with mode 0700; return it. A folder that already exists keeps
+    its mode: it may be a runs dir shared with other users (chmod-ing a 1777 dir to 0700 would
+    switch their agents off), and what we did not create is not ours to change.
 
     Raises:
         RunDirError: ``path`` (or a parent) is a file, or cannot be created (the message says which).
@@ -128,31 +132,50 @@ def make_private_dir(path: str | os.PathLike[str]) -> Path:
         for d in reversed(missing):
             try:
                 d.mkdir(mode=0o700)
-                os.chmod(d, 0o700)  # mkdir's mode is masked by the umask
+                os.chmod(d, 0o700)  # mkdir's mode is masked by the umask; this folder is ours
             except FileExistsError:
                 pass  # created meanwhile by another rank or process
-        p.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not p.is_dir():
+            raise FileExistsError(p)
     except FileExistsError:
         raise RunDirError(f"{p} exists and is not a directory; point it at a directory "
                           "(e.g. SENTINELD_RUNS_DIR or --runs-dir)") from None
     except OSError as exc:
         raise RunDirError(f"cannot create directory {str(p)[:200]}: {exc.strerror or exc}") from None
-    try:
-        os.chmod(p, 0o700)
-    except OSError:
-        pass  # a shared runs dir owned by someone else, or a read-only mount, keeps its mode
     return p
 
 
+def runs_dir_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why the runs dir ``path`` cannot be trusted to hold run dirs, or None when it can.
+
+    A runs dir may be shared: owned by us or root and either private or sticky (mode 1777, like
+    ``/tmp``: others may add their run dirs but cannot rename or replace ours). One that another
+    user owns, or that others may write without the sticky bit, lets them swap a run dir for a
+    link after it was checked; the agent and the daemon refuse it (the message says what to do).
+    """
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return f"cannot open runs dir {path}: {exc.strerror or exc}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"runs dir {path} is not a directory"
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        return (f"runs dir {path} is owned by uid {st.st_uid}, not by you (uid {me}) or root: that user "
+                "could replace the run dirs in it. Use a runs dir of your own (SENTINELD_RUNS_DIR / "
+                "--runs-dir), or have root create a shared one with mode 1777")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        return (f"runs dir {path} is writable by others without the sticky bit (mode "
+                f"{stat.S_IMODE(st.st_mode):o}): another user could replace the run dirs in it. Run "
+                f"`chmod +t {path}` (a shared runs dir is 1777, like /tmp) or `chmod go-w {path}`")
+    return None
+
+
 def write_run_meta(run_dir: Path, meta: RunMeta) -> Path:
-    """Write ``run.json`` atomically with mode 0600 (rank 0 wins; other ranks write ``run-rank<R>.json``)."""
-    name = RunDir.meta_name(meta.rank)
-    path = run_dir / name
-    tmp = path.with_name(name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(asdict(meta), f, indent=1)
-    os.replace(tmp, path)
+    """Write ``run.json`` atomically with mode 0600 (rank 0 wins; other ranks write
+    ``run-rank<R>.json``), through the safe writer (:mod:`sentineld.contracts.safeio`)."""
+    path = run_dir / RunDir.meta_name(meta.rank)
+    write_atomic(path, json.dumps(asdict(meta), indent=1), durable=False)
     return path
 
 
@@ -171,8 +194,8 @@ def read_run_meta(run_dir: str | os.PathLike[str]) -> RunMeta:
                               "sentineld.agent?")
         path = others[0]
     try:
-        obj = json.loads(read_regular(path, MAX_RUN_JSON_BYTES))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        obj = read_json(path, MAX_RUN_JSON_BYTES)
+    except (OSError, ValueError) as exc:
         raise RunDirError(f"{path}: unreadable run metadata ({exc})") from None
     except RecursionError:
         raise RunDirError(f"{path}: run metadata nested too deeply to be a run.json") from None

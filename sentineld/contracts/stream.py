@@ -60,7 +60,7 @@ class StreamWriter:
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._stop = False
         self._warned = False
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)  # never a link
         self._thread = threading.Thread(target=self._run, name="sentineld-stream", daemon=True)
         self._thread.start()
 

@@ -11,10 +11,10 @@ daemon reads it (:mod:`sentineld.daemon.inprocess`), the replay points to it; to
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from .safeio import write_atomic
 from .triggers import CRASH, NONFINITE
 
 __all__ = ["verdict_path", "write_verdict", "LOCALIZE_MODES", "LOCALIZED_TRIGGERS"]
@@ -35,7 +35,7 @@ def verdict_path(capture: Path) -> Path:
 
 
 def write_verdict(capture: Path, payload: dict[str, Any] | str) -> Path:
-    """Write the verdict for ``capture`` atomically (temp file, fsync, rename; mode 0600).
+    """Write the verdict for ``capture`` atomically (the safe writer: temp file, fsync, rename; 0600).
 
     Args:
         payload: the report's strict JSON text, or a dict (``{"result": "failed", "reason": ...}``).
@@ -48,11 +48,5 @@ def write_verdict(capture: Path, payload: dict[str, Any] | str) -> Path:
     """
     dest = verdict_path(capture)
     text = payload if isinstance(payload, str) else json.dumps(payload, allow_nan=False)
-    tmp = dest.with_name(dest.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, dest)
+    write_atomic(dest, text)
     return dest

@@ -68,8 +68,9 @@ class Alerting:
         """Evaluate the signatures over ``rw``'s windows and carry out the policy's decision;
         ``live`` is False while catching up on old records (then ``stalled`` is not judged
         against the current time)."""
-        from sentineld.signatures import evaluate  # noqa: PLC0415
+        from sentineld.signatures import evaluate, run_signature_config, unresolved  # noqa: PLC0415
 
+        sig_config = run_signature_config(self._sig_config, rw.meta.extra if rw.meta else None)
         now = self.clock()
         self._last_eval[str(rw.run_dir)] = now
         per_rank = {}
@@ -77,11 +78,13 @@ class Alerting:
             if not window:
                 continue
             now_s = None if (rank in rw.ended or not live) else now
-            per_rank[rank] = evaluate(list(window), self._sig_config, now_s=now_s,
+            per_rank[rank] = evaluate(list(window), sig_config, now_s=now_s,
                                       num_classes=rw.meta.num_classes if rw.meta else None)
         if not per_rank:
             return
-        d = decide(rw.active, per_rank, now_s=now, last_alert_s=rw.last_alert_s,
+        holding = unresolved(rw.active, {r: list(w) for r, w in rw.records.items() if w},  # issue 21
+                             sig_config, rw.meta.num_classes if rw.meta else None) if rw.active else set()
+        d = decide(rw.active, per_rank, now_s=now, last_alert_s=rw.last_alert_s, holding=holding,
                    held=[k for (run, k) in self._held if run == str(rw.run_dir)],
                    multi_rank=rw.meta is not None and rw.meta.world_size > 1,
                    alert_interval_s=self.cfg.alert_interval_s, rank_grace_s=RANK_GRACE_S,

@@ -8,7 +8,7 @@ the field names of :class:`DaemonConfig`; an unknown key is an error. Example::
     notify = ["mailto://127.0.0.1:2525?from=sentineld@host&to=oncall@example.com"]
     replay_timeout_s = 300
     [signatures]
-    divergence_spike = { factor = 20.0 }
+    divergence_spike = { ratio = 4.0 }
 
 Environment: ``SENTINELD_RUNS_DIR``, ``SENTINELD_STATE_DIR``, ``SENTINELD_NOTIFY`` (URLs separated
 by whitespace or commas), ``SENTINELD_ALERTMANAGER_URL``.

@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterable, Sequence
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 from sentineld.contracts.render import FORMATS, format_body
+from sentineld.contracts.safeio import open_regular
 from sentineld.daemon.outbox import DELIVERED, DROPPED, PENDING, SENDING, Notification, Outbox
 
 __all__ = ["redact_url", "valid_url", "deliver_due", "LOG_TARGET", "append_log", "Destination",
@@ -238,7 +239,7 @@ def _apprise_send(url: str, note: Notification, timeout_s: float, resend: bool =
 
 def append_log(path: Path, note: Notification, now_s: float, resend: bool = False) -> None:
     """Append ``note`` to the notifications log (JSON lines, 0600, fsynced)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)  # never a link
     line = json.dumps({"id": note.id, "time_s": now_s, "kind": note.kind, "severity": note.severity,
                        "run": note.run, "signature": note.signature, "step": note.step,
                        "title": note.title, "body": note.body, "data": note.data}) + "\n"
@@ -253,13 +254,13 @@ def log_has(path: Path, nid: str) -> bool:
     """True when the notifications log holds a complete line for notification ``nid``."""
     needle = json.dumps(nid)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a regular file only: a FIFO there would block delivery
             for raw in f:
                 if needle.encode() in raw and raw.endswith(b"\n"):
                     try:
                         if json.loads(raw).get("id") == nid:
                             return True
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         continue
     except OSError:
         return False

@@ -10,7 +10,6 @@ Light on purpose: the daemon imports it without torch.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -18,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from sentineld.contracts.rundir import RunMeta, parse_capture_name
-from sentineld.contracts.safeio import read_regular
-from sentineld.contracts.verdict_file import LOCALIZED_TRIGGERS, verdict_path
+from sentineld.contracts.verdict_file import LOCALIZED_TRIGGERS
 
 from .replay_runner import ReplayOutcome
+from .verdict_accept import IgnoredVerdicts, read_verdict_file
 
 __all__ = ["InProcessVerdicts"]
 
@@ -56,6 +55,7 @@ class InProcessVerdicts:
         self.timeout_s = timeout_s
         self.clock = clock
         self.first_seen: dict[str, float] = {}
+        self.ignored = IgnoredVerdicts()  # verdict files not from their run (verdict_accept)
 
     def decide(self, meta: RunMeta, capture: Path) -> tuple[str, ReplayOutcome | None]:
         """``("deliver", outcome)``, ``("wait", None)`` or ``("spawn", None)`` (the daemon's own replay)."""
@@ -65,8 +65,10 @@ class InProcessVerdicts:
             return "spawn", None
         key = f"{meta.run_id}@{meta.started_s!r}|{capture}"  # a new run reusing the path waits anew
         t0 = self.first_seen.setdefault(key, self.clock())
-        path = verdict_path(capture)
-        payload = _read(path)
+        payload, ignored = read_verdict_file(meta, capture)
+        if ignored is not None:  # never delivered: counted, and the daemon's own replay decides
+            self.ignored.note(capture, ignored)
+            return self._fallback(meta, key, f"its verdict file was ignored ({ignored[:1500]})")
         if payload is None:
             if _alive(meta) and self.clock() - t0 < self.timeout_s:
                 return "wait", None
@@ -87,23 +89,3 @@ class InProcessVerdicts:
             return "spawn", None
         return "deliver", ReplayOutcome("failed", None, reason + "; the run named no recipe, so the "
                                         "daemon cannot replay it (pass recipe= to attach)", 0.0, None)
-
-
-#: Largest verdict file read (a report is a few KiB; births and evidence stay well under this).
-MAX_VERDICT_BYTES = 8 << 20
-
-
-def _read(path: Path) -> dict[str, Any] | None:
-    """The verdict file's object; None while it is absent; a ``failed`` payload naming what is
-    wrong with it otherwise (read like every run-dir file: no symlink, no FIFO, bounded)."""
-    try:
-        data = read_regular(path, MAX_VERDICT_BYTES)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        return {"result": "failed", "reason": str(exc)}
-    try:
-        obj = json.loads(data)
-    except (ValueError, RecursionError):
-        return {"result": "failed", "reason": f"{path.name} is not JSON"}
-    return obj if isinstance(obj, dict) else {"result": "failed", "reason": f"{path.name} is not an object"}

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -25,12 +24,14 @@ from typing import Any, Callable
 
 from sentineld.contracts.ringformat import ring_state
 from sentineld.contracts.rundir import RunMeta
+from sentineld.contracts.safeio import read_json
 from sentineld.daemon.daemon_config import DaemonConfig
 from sentineld.daemon.delivery import SecretFilter, deliver_due
 from sentineld.daemon.inprocess import InProcessVerdicts
 from sentineld.daemon.notifier import Notifier
+from sentineld.daemon.replay_queue import FairQueue
 from sentineld.daemon.replay_runner import ReplayOutcome, run_replay_subprocess
-from sentineld.daemon.ring_recovery import recover_ring
+from sentineld.daemon.ring_recovery import MAX_RING_META_BYTES, recover_ring
 from sentineld.daemon.runwatch import RunWatch
 from sentineld.daemon.watcher import DirtyRuns
 
@@ -126,7 +127,8 @@ class ReplayThread(LoopThread):
                  finish: Callable[[RunWatch, Path, ReplayOutcome, Path], None]) -> None:
         super().__init__("replay", stop)
         self.cfg, self.scratch, self.record_of, self.finish = cfg, scratch, record_of, finish
-        self.jobs: queue.Queue[tuple[RunWatch, Path]] = queue.Queue()
+        # round robin over runs: a run flooding captures delays another by one replay (replay_queue)
+        self.jobs: FairQueue[tuple[RunWatch, Path]] = FairQueue()
         # Captures queued or running; one cut short by the daemon's own shutdown leaves it, to
         # run again after a restart.
         self.queued: set[str] = set()
@@ -142,7 +144,7 @@ class ReplayThread(LoopThread):
             key = f"{rw.incident_scope}|{cap}"  # a new run reusing the path replays its own captures
             if key not in self.queued and cap.exists() and not self.record_of(rw, cap).exists():
                 self.queued.add(key)
-                self.jobs.put((rw, cap))
+                self.jobs.put(str(rw.run_dir), (rw, cap))
 
     def loop(self) -> None:
         while self.should_keep_running():
@@ -173,7 +175,7 @@ class ReplayThread(LoopThread):
         decision, outcome = self.in_process.decide(meta, cap)
         if decision == "wait":
             time.sleep(0.05)
-            self.jobs.put((rw, cap))
+            self.jobs.put(str(rw.run_dir), (rw, cap))
             return True
         if outcome is not None:
             self.finish(rw, cap, outcome, record)
@@ -199,7 +201,8 @@ class RecoverThread(LoopThread):
             if now < self.retry_at.get(key, 0.0) or ring_state(d) != "dead":
                 continue
             try:
-                host = json.loads((d / "meta.json").read_text()).get("host")
+                # the safe reader: a FIFO named meta.json must not block the main loop
+                host = read_json(d / "meta.json", MAX_RING_META_BYTES).get("host")
             except (OSError, ValueError, AttributeError):
                 host = None
             self.retry_at[key] = float("inf")

@@ -13,7 +13,6 @@ no-op: once per incident.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from pathlib import Path
@@ -38,7 +37,7 @@ from sentineld.daemon.outbox import Notification, Outbox, notification_id
 from sentineld.daemon.policy import Active
 from sentineld.daemon.replay_runner import ReplayOutcome
 from sentineld.daemon.runwatch import RunWatch
-from sentineld.daemon.statedir import write_json_atomic
+from sentineld.daemon.statedir import read_state_json, write_json_atomic
 
 __all__ = ["Notifier"]
 
@@ -198,6 +197,9 @@ class Notifier:
                                 run=rw.run_id, signature="replay", step=outcome.report.get("step"),
                                 data=outcome.report)
         else:
+            # One "replay failed" page per run (issue 20 item 7): its id names no capture, so the
+            # outbox keeps the first and drops the rest (200 junk captures page once, not 200 times).
+            nid = notification_id(rw.incident_scope, "replay_failed")
             title, body = replay_failed_text(rw.run_id, cap.name, outcome.reason)
             note = Notification(id=nid, kind="verdict", title=title, body=body, severity="warning",
                                 run=rw.run_id, signature="replay_failed",
@@ -287,13 +289,8 @@ class Notifier:
         their run's incident as before. Returns how many; an unreadable file restores none."""
         if self.extras_path is None or self.am is None:
             return 0
-        try:
-            saved = json.loads(self.extras_path.read_text())
-        except FileNotFoundError:
-            return 0
-        except (OSError, ValueError) as exc:
-            log.warning("cannot read the saved verdict/crash alerts %s (%s); not restored", self.extras_path, exc)
-            return 0
+        # bounded, regular file only, depth-checked; a damaged one is moved aside (statedir)
+        saved = read_state_json(self.extras_path, "the verdict/crash alerts it held are not restored")
         n = 0
         with self.am_lock:
             for alert in saved if isinstance(saved, list) else []:

@@ -29,6 +29,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
+from sentineld.contracts.safeio import read_json
+from sentineld.daemon.statedir import MAX_STATE_BYTES, read_state_json, write_json_atomic
+
 __all__ = ["Notification", "Outbox", "notification_id", "read_notification", "read_notifications", "PENDING",
            "SENDING", "DELIVERED", "DROPPED", "bound_text", "bound_data", "MAX_TITLE_CHARS", "MAX_BODY_CHARS",
            "MAX_DATA_BYTES"]
@@ -139,14 +142,7 @@ _FIELDS = {f.name for f in fields(Notification)}
 
 
 def _write_atomic(path: Path, obj: Any, durable: bool = True) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, allow_nan=True)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_json_atomic(path, obj, durable=durable)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -162,10 +158,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def read_notification(path: Path) -> Notification | None:
-    """The notification stored at ``path``; None when it is unreadable, not JSON or not one."""
+def read_notification(path: Path, move_damaged: bool = False) -> Notification | None:
+    """The notification stored at ``path``; None when it is unreadable, not JSON or not one.
+
+    Read like a run file (:func:`sentineld.daemon.statedir.read_state_json`: bounded size and
+    depth, regular files only). ``move_damaged``: the daemon's own outbox moves a damaged record
+    aside (with a warning) so it is not read again; a read-only reader (``sentineld report``) leaves it.
+    """
     try:
-        obj = json.loads(path.read_text())
+        if move_damaged:
+            obj = read_state_json(path, "that notification is not sent")
+        else:
+            obj = read_json(path, MAX_STATE_BYTES)
         if not isinstance(obj, dict):
             return None
         return Notification(**{k: v for k, v in obj.items() if k in _FIELDS})
@@ -239,14 +243,14 @@ class Outbox:
     def __iter__(self) -> Iterator[Notification]:
         """Pending notifications."""
         for path in sorted(self.dir.glob("*.json")):
-            note = read_notification(path)
+            note = read_notification(path, move_damaged=True)
             if note is not None:
                 yield note
 
     def delivered(self) -> Iterator[Notification]:
         """Notifications every destination took."""
         for path in sorted(self.done_dir.glob("*.json")):
-            note = read_notification(path)
+            note = read_notification(path, move_damaged=True)
             if note is not None:
                 yield note
 

@@ -13,7 +13,11 @@ Rules (all from the design; ``sentineld.daemon.service`` carries them out):
   clears, announced as recovered;
 - in a multi-rank run a new alert is held ``rank_grace_s`` so it names every rank; one that
   clears while held was never sent and gets no recovery notice;
-- a signature that stops firing gets a recovery notice at the run's last step;
+- a signature that stops firing gets a recovery notice at the run's last step, but only once it
+  resolved (issue 21): keys in ``holding`` (:func:`sentineld.signatures.unresolved`: the records
+  do not show the signature's own condition false for its window on finite data, or a plateau's
+  loss still in its band) stay active without notice, and while ``nonfinite`` fires nothing else
+  clears (a NaN run resolves nothing but ``nonfinite``; ``stalled`` is over when records come);
 - ``nonfinite`` is an incident, not a threshold that flaps: it clears only after
   ``REARM_STEPS`` finite steps (:mod:`sentineld.contracts.nonfinite`), so a new incident after
   a recovery is alerted whatever ``alert_interval_s`` says, and one whose verdict comes at a
@@ -142,7 +146,7 @@ def _new_incident(saved: Mapping[str, Any], a: Active) -> bool:
 def decide(active: Mapping[str, Mapping[str, Any]], per_rank: Mapping[int, Sequence[Any]], *,
            now_s: float, last_alert_s: Mapping[str, float], held: Iterable[str], multi_rank: bool,
            alert_interval_s: float, rank_grace_s: float, ended: bool = False,
-           min_firing_s: float = 0.0) -> Decision:
+           min_firing_s: float = 0.0, holding: Iterable[str] = ()) -> Decision:
     """Apply the module's rules to one evaluation of a run.
 
     Args:
@@ -156,13 +160,17 @@ def decide(active: Mapping[str, Mapping[str, Any]], per_rank: Mapping[int, Seque
         rank_grace_s: see the module docstring.
         ended: every rank of the run wrote its ``end`` record.
         min_firing_s: see the module docstring (``sentineld.daemon.alerting.MIN_FIRING_S``).
+        holding: keys of active alerts not shown resolved (see the module docstring): while
+            their detector is quiet they stay active, unannounced.
 
     Returns:
         A :class:`Decision`; its ``active`` is a new dict.
     """
     current = merge_verdicts(per_rank)
+    keep = set(holding)
     if any(a.signature == "nonfinite" for a in current.values()):
         current = {k: a for k, a in current.items() if a.signature in ("nonfinite", "stalled")}
+        keep |= {k for k, v in active.items() if v.get("signature") not in ("nonfinite", "stalled")}
     new: dict[str, dict[str, Any]] = {k: dict(v) for k, v in active.items()}
     for v in new.values():
         v["ranks"] = list(v.get("ranks", []))
@@ -172,6 +180,7 @@ def decide(active: Mapping[str, Mapping[str, Any]], per_rank: Mapping[int, Seque
         if key in new and key not in held_now and _new_incident(new[key], a):
             _clear(out, key, held_now)
     fired, cleared = transitions(new.keys(), current)
+    cleared = [k for k in cleared if k not in keep]  # not over: kept (closed if the run ended)
     for key, a in current.items():
         if key in new:  # ranks that show a firing signature later join it
             ranks = new[key]["ranks"]

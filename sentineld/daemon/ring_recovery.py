@@ -8,6 +8,7 @@ Format: :mod:`sentineld.contracts.ringformat`.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -30,17 +31,18 @@ from sentineld.contracts.ringformat import (
     step_file,
 )
 from sentineld.contracts.rundir import RunDir, stream_path
+from sentineld.contracts.safeio import SafeDir, UnsafeDirError, json_depth_ok
 from sentineld.contracts.stream import read_stream
 from sentineld.contracts.triggers import CRASH
 
-__all__ = ["ring_state", "recover_ring", "recover_run"]
+__all__ = ["ring_state", "recover_ring", "recover_run", "read_ring_meta"]
 
 log = logging.getLogger("sentineld.diskring")
 
 
-def _records_from_stream(run_dir: Path, rank: int, lo: int, hi: int) -> dict[int, dict[str, Any]]:
+def _records_from_stream(run: SafeDir, rank: int, lo: int, hi: int) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
-    path = stream_path(run_dir, rank)
+    path = stream_path(run.path, rank)
     offset = 0
     try:
         while True:
@@ -56,85 +58,142 @@ def _records_from_stream(run_dir: Path, rank: int, lo: int, hi: int) -> dict[int
     return out
 
 
-def recover_ring(ring_dir: Path, who: str = "sentineld") -> Path | None:
-    """Turn a dead process's ring directory into a ``crash`` capture next to it; delete the ring.
+#: Largest ring ``meta.json`` read (the agent writes a few hundred bytes).
+MAX_RING_META_BYTES = 64 << 10
 
-    Returns:
-        The capture's path, or None when the writer is alive (the directory stays), or the ring
-        holds no snapshot followed by a step (nothing to replay; the directory is deleted).
+
+def read_ring_meta(ring: SafeDir) -> dict[str, Any]:
+    """The ring's ``meta.json`` object ({} when absent, not a regular file, too big or not JSON);
+    read through the safe reader, so a FIFO or a link there never blocks or redirects us."""
+    try:
+        data = ring.read("meta.json", MAX_RING_META_BYTES)
+        meta = json.loads(data) if json_depth_ok(data) else {}
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _open_ring(ring_dir: Path) -> tuple[SafeDir, SafeDir] | None:
+    """The run dir and the ring dir, opened by descriptor; None when the run dir is gone.
 
     Raises:
-        OSError: the capture cannot be written (the ring is kept for another try).
+        UnsafeDirError: the ring is not one its run's owner wrote for itself (a link, another
+            owner's, or writable by others); it is left alone.
     """
-    ring_dir = Path(ring_dir)
-    m = RunDir.RING.match(ring_dir.name)
-    run_dir = ring_dir.parent
     try:
-        if not stat.S_ISDIR(os.lstat(ring_dir).st_mode):
-            # A symlink named like a ring: following it would delete files wherever it points.
-            log.warning("%s is not a ring directory (a symlink or a file); left alone", ring_dir)
-            return None
-        fd = os.open(ring_dir / "lock", os.O_RDWR | os.O_NOFOLLOW)
+        run = SafeDir.open(ring_dir.parent, follow=True)
     except OSError:
         return None
     try:
+        ring = SafeDir.open(ring_dir, parent=run, owners=(run.st.st_uid,), private=True)
+    except OSError as exc:
+        run.close()
+        raise UnsafeDirError(errno.EPERM, f"{ring_dir} is not an on-disk ring sentineld can trust "
+                                          f"({exc}); left alone") from None
+    return run, ring
+
+
+def recover_ring(ring_dir: Path, who: str = "sentineld") -> Path | None:
+    """Turn a dead process's ring directory into a ``crash`` capture next to it; delete the ring.
+
+    Every file is opened relative to the run dir's and the ring dir's descriptors, never by a path
+    another user could re-point: no link is followed, only regular files are read (a FIFO never
+    blocks), and the capture is written by the safe writer (an ``O_EXCL`` temp file of an
+    unpredictable name, renamed within the run dir), so a planted ``*.h5.tmp`` link is never
+    written through and an existing capture is never replaced.
+
+    Returns:
+        The capture's path, or None when the writer is alive (the directory stays), or it holds
+        no snapshot followed by a step (nothing to replay; the directory is deleted).
+
+    Raises:
+        OSError: the capture cannot be written (the ring is kept for another try);
+            ``UnsafeDirError``: the ring cannot be trusted (left alone).
+    """
+    ring_dir = Path(ring_dir)
+    opened = _open_ring(ring_dir)
+    if opened is None:
+        return None
+    run, ring = opened
+    with run, ring:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = os.open("lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=ring.fd)
         except OSError:
-            return None  # alive, or another recovery runs
-        try:
-            meta = json.loads((ring_dir / "meta.json").read_text())
-            meta = meta if isinstance(meta, dict) else {}
-        except (OSError, ValueError):
-            meta = {}
-        try:
-            rank = int(meta.get("rank", m.group(1) if m else 0))  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            rank = int(m.group(1)) if m else 0
-        snaps, steps = set(), set()
-        for p in ring_dir.iterdir():
-            if p.is_symlink():
-                continue  # never ours: the agent writes plain files only
-            if p.name.endswith(".tmp"):
-                p.unlink(missing_ok=True)  # cut short by the kill
-            elif (sm := SNAP_FILE.match(p.name)):
-                snaps.add(int(sm.group(1)))
-            elif (st := STEP_FILE.match(p.name)):
-                steps.add(int(st.group(1)))
-        chosen = None
-        for s in sorted(snaps, reverse=True):
-            if s in steps:
-                last = s
-                while last + 1 in steps:
-                    last += 1
-                chosen = (s, last)
-                break
-        if chosen is None:
-            log.warning("on-disk ring %s holds no snapshot followed by its steps; nothing to recover",
-                        ring_dir)
-            shutil.rmtree(ring_dir, ignore_errors=True)
             return None
-        first, last = chosen
-        path = RunDir(run_dir).capture(rank, last, CRASH)
-        if not path.exists():
-            _assemble(ring_dir, path, meta, rank, first, last, who)
-        shutil.rmtree(ring_dir, ignore_errors=True)
-        return path
-    finally:
-        os.close(fd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return None  # alive, or another recovery runs
+            return _recover_locked(run, ring, ring_dir, who)
+        finally:
+            os.close(fd)
 
 
-def _assemble(ring_dir: Path, path: Path, meta: dict[str, Any], rank: int, first: int, last: int,
-              who: str) -> None:
+def _recover_locked(run: SafeDir, ring: SafeDir, ring_dir: Path, who: str) -> Path | None:
+    m = RunDir.RING.match(ring_dir.name)
+    meta = read_ring_meta(ring)
+    try:
+        rank = int(meta.get("rank", m.group(1) if m else 0))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        rank = int(m.group(1)) if m else 0
+    snaps, steps, sizes = set(), set(), {}
+    for name in ring.names():
+        try:
+            st = ring.lstat(name)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue  # never ours: the agent writes plain files only
+        if name.endswith(".tmp"):
+            ring.unlink(name)  # cut short by the kill
+        elif (sm := SNAP_FILE.match(name)):
+            snaps.add(int(sm.group(1)))
+            sizes[name] = st.st_size
+        elif (sn := STEP_FILE.match(name)):
+            steps.add(int(sn.group(1)))
+            sizes[name] = st.st_size
+    chosen = None
+    for s in sorted(snaps, reverse=True):
+        if s in steps:
+            last = s
+            while last + 1 in steps:
+                last += 1
+            chosen = (s, last)
+            break
+    if chosen is None:
+        log.warning("on-disk ring %s holds no snapshot followed by its steps; nothing to recover", ring_dir)
+        _remove_ring(run, ring_dir.name)
+        return None
+    first, last = chosen
+    path = RunDir(ring_dir.parent).capture(rank, last, CRASH)
+    try:
+        run.lstat(path.name)
+    except FileNotFoundError:
+        _assemble(run, ring, path, meta, rank, first, last, who, sizes)
+    _remove_ring(run, ring_dir.name)
+    return path
+
+
+def _remove_ring(run: SafeDir, name: str) -> None:
+    """Delete ring dir ``name`` of ``run`` (fd-based: never follows a link, never leaves the run dir)."""
+    shutil.rmtree(name, ignore_errors=True, dir_fd=run.fd)
+
+
+def _assemble(run: SafeDir, ring: SafeDir, path: Path, meta: dict[str, Any], rank: int, first: int,
+              last: int, who: str, sizes: dict[str, int]) -> None:
     """Write snapshot ``first`` and steps ``first..last`` of the ring as a capture, through the one
-    capture writer (:func:`sentineld.contracts.capture.write_capture`); one step file is mapped
-    at a time."""
-    stream_recs = _records_from_stream(path.parent, rank, first, last)
-    sources = [ring_dir / snap_file(first)] + [ring_dir / step_file(n) for n in range(first, last + 1)]
-    estimate = sum(p.stat().st_size for p in sources)
+    capture writer (:func:`sentineld.contracts.capture.write_capture`) into the open run dir; one
+    step file is mapped at a time."""
+    stream_recs = _records_from_stream(run, rank, first, last)
+    names = [snap_file(first)] + [step_file(n) for n in range(first, last + 1)]
+    sources = [ring.path / n for n in names]
+    estimate = sum(sizes.get(n, 0) for n in names)
     records = []
     for n, src in zip(range(first, last + 1), sources[1:]):
-        header, body, mm = read_ring_file(src)
+        header, body, mm = read_ring_file(src, ring)
         del body
         close_mapping(mm)
         rec = header.get("record")
@@ -144,7 +203,7 @@ def _assemble(ring_dir: Path, path: Path, meta: dict[str, Any], rank: int, first
 
     def steps() -> Iterator[EncodedStep]:
         for n, src in zip(range(first, last + 1), sources[1:]):
-            header, body, mm = read_ring_file(src)
+            header, body, mm = read_ring_file(src, ring)
             try:
                 rng = header.get("rng")
                 yield EncodedStep(n, ring_tree(header["batch"], body), ring_rng(rng, body) if rng else None)
@@ -152,13 +211,13 @@ def _assemble(ring_dir: Path, path: Path, meta: dict[str, Any], rank: int, first
                 del body
                 close_mapping(mm)
 
-    header, body, mm = read_ring_file(sources[0])
+    header, body, mm = read_ring_file(sources[0], ring)
     try:
         write_capture(
             path, run_id=str(meta.get("run_id", path.parent.name)), rank=rank, trigger=CRASH,
             first_step=last, snapshot_step=first, snapshot=ring_tree(header["snapshot"], body),
             steps=steps(), records=records, estimate_bytes=estimate,
-            torch_version=str(meta.get("torch_version", "")),
+            torch_version=str(meta.get("torch_version", "")), at=run,
             message=(f"process {meta.get('pid', '?')} died without closing the agent (SIGKILL, "
                      f"the OOM killer?); assembled from its on-disk ring by {who}"))
     finally:
@@ -169,8 +228,8 @@ def _assemble(ring_dir: Path, path: Path, meta: dict[str, Any], rank: int, first
 def recover_run(run_dir: Path, who: str = "sentineld") -> list[Path]:
     """Recover every dead ring of a run directory; returns the captures written or found."""
     out = []
-    for d in sorted(Path(run_dir).glob(f"{RunDir.RING_PREFIX}*")):
-        if d.is_dir() and ring_state(d) == "dead":
+    for d in RunDir(run_dir).ring_dirs():
+        if ring_state(d) == "dead":
             p = recover_ring(d, who)
             if p is not None:
                 out.append(p)

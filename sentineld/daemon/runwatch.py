@@ -8,7 +8,6 @@ restarted daemon neither repeats nor misses anything.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import stat
@@ -21,6 +20,7 @@ from sentineld.contracts.nonfinite import is_nonfinite, recovered_at
 from sentineld.contracts.records import StepRecord, record_from_json
 from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, read_run_meta
 from sentineld.contracts.stream import CHUNK_BYTES, StreamTail, read_lines
+from sentineld.daemon.statedir import read_state_json, write_json_atomic
 
 __all__ = ["RunWatch", "save_progress", "load_progress", "stale_temp_captures", "STALE_TMP_AGE_S",
            "pid_alive", "same_run", "remove_stale_temps"]
@@ -317,21 +317,15 @@ def stale_temp_captures(rw: RunWatch, now_s: float, this_host: str,
 
 
 def save_progress(path: Path, rw: RunWatch) -> None:
-    """Write ``rw``'s progress atomically (0600)."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(rw.progress(), f)
-    os.replace(tmp, path)
+    """Write ``rw``'s progress atomically (0600, the safe writer)."""
+    write_json_atomic(path, rw.progress())
 
 
 def load_progress(path: Path) -> dict[str, Any] | None:
-    """Saved progress, or None (missing or unreadable: start from the beginning)."""
-    try:
-        obj = json.loads(path.read_text())
-        return obj if isinstance(obj, dict) else None
-    except (OSError, ValueError):
-        return None
+    """Saved progress, or None (missing or damaged: start from the beginning; a damaged file is
+    moved aside with a warning)."""
+    obj = read_state_json(path, "the run is read from its start")
+    return obj if isinstance(obj, dict) else None
 
 
 def pid_alive(pid: int) -> bool:

@@ -37,7 +37,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
 
-from sentineld.contracts.rundir import make_private_dir, parse_capture_name
+from sentineld.contracts.rundir import RunDirError, make_private_dir, parse_capture_name, runs_dir_problem
 from sentineld.contracts.triggers import CRASH
 from sentineld.daemon.alerting import Alerting
 from sentineld.daemon.am_incident import no_recipe_outcome, verdict_may_come
@@ -53,6 +53,7 @@ from sentineld.daemon.runwatch import RunWatch, load_progress, remove_stale_temp
 from sentineld.daemon.statedir import (
     AM_EXTRAS,
     destination_secret,
+    private_state_dir,
     take_lock,
     write_json_atomic,
     write_pidfile,
@@ -90,7 +91,7 @@ class Daemon(Alerting):
         self.clock = clock
         self.stop_event = threading.Event()
         self.dirty = DirtyRuns(config.runs_dir)
-        self.state_dir = make_private_dir(config.state_dir)
+        self.state_dir = private_state_dir(config.state_dir)  # ours, writable by no one else
         self.progress_dir = make_private_dir(self.state_dir / "progress")
         self.replays_dir = make_private_dir(self.state_dir / "replays")
         self.runs: dict[str, RunWatch] = {}
@@ -162,7 +163,9 @@ class Daemon(Alerting):
         if install_signals and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.stop)
             signal.signal(signal.SIGINT, self.stop)
-        make_private_dir(self.cfg.runs_dir)
+        make_private_dir(self.cfg.runs_dir)  # 0700 if we create it; an existing one keeps its mode
+        if (problem := runs_dir_problem(self.cfg.runs_dir)) is not None:
+            raise RunDirError(problem)  # a shared dir we cannot trust: refused, saying what to do
         server, self._metrics, self.metrics_port = start_metrics(self.cfg.metrics_port, self.cfg.metrics_addr)
         if server is not None:
             stack.callback(server.server_close)
@@ -385,6 +388,7 @@ class Daemon(Alerting):
                   "rings_recovered": st.rings_recovered, "notify": [d.shown for d in self.notifier.dests],
                   "alerts_unwritten": len(self.notifier.unwritten), "state_write_error": self.notifier.write_error,
                   "stale_temps_removed": self.stale_temps_removed,
+                  "verdicts_ignored": self._replayer.in_process.ignored.count,  # not from their run
                   "runs": [rw.status() for rw in self.runs.values()]}
         if self._metrics:
             self._metrics["runs"].set(len(self.runs))

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sentineld.contracts.safeio import write_atomic
+
 __all__ = ["REPORT_NAME", "default_report_path", "write_report"]
 
 #: The report's file name inside the run directory (where the daemon's verdict message points).
@@ -59,9 +61,7 @@ def write_report(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | 
                   verdict=verdict, activations=activations, trust=trust)
     text = render_html(data)
     path = Path(out) if out is not None else default_report_path(run_dir)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    # The safe writer: a fresh O_EXCL temp file (a planted report.html.tmp link is never written
+    # through), renamed in the run dir; a report.html someone else owns is refused, not replaced.
+    write_atomic(path, text, durable=False)
     return path

@@ -8,7 +8,6 @@ here writes to either directory.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 from sentineld.contracts.capture import CaptureError, open_capture
 from sentineld.contracts.records import StepRecord, record_from_json
 from sentineld.contracts.rundir import list_captures, read_run_meta, stream_path
+from sentineld.contracts.safeio import read_json
 from sentineld.contracts.stream import StreamTail
 from sentineld.daemon import outbox
 from sentineld.daemon.outbox import Notification
@@ -26,6 +26,9 @@ from . import data as d
 __all__ = ["read_records", "read_notifications", "read_verdict", "gather"]
 
 log = logging.getLogger("sentineld.report")
+
+#: Largest verdict or replay record read (a report is a few KiB).
+MAX_VERDICT_FILE_BYTES = 8 << 20
 
 #: Parameters (weights) and modules (activations) drawn as histograms, in model order.
 MAX_HISTS = 12
@@ -77,11 +80,11 @@ def read_verdict(path: Path) -> dict[str, Any]:
         OSError: it cannot be read.
     """
     try:
-        obj = json.loads(path.read_text())
+        obj = read_json(path, MAX_VERDICT_FILE_BYTES)
     except UnicodeDecodeError:  # a binary file (an .h5 capture given by mistake): name it
         raise ValueError(f"{path}: not a verdict (a binary file, not JSON text); pass the JSON of "
                          "`sentineld replay --json` or a daemon replays/*.json record") from None
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:
         raise ValueError(f"{path}: not JSON ({exc})") from None
     v = _verdict_of(obj)
     if v is None:
@@ -96,7 +99,7 @@ def daemon_verdict(state_dir: Path | None, run_id: str, notes: list[Notification
     if state_dir is not None and (state_dir / "replays").is_dir():
         for p in (state_dir / "replays").glob("*.json"):
             try:
-                v = _verdict_of(json.loads(p.read_text()))
+                v = _verdict_of(read_json(p, MAX_VERDICT_FILE_BYTES))
             except (OSError, ValueError):
                 continue
             if v is not None and v.get("run_id") == run_id:

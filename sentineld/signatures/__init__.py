@@ -13,7 +13,9 @@ One module per detector family: ``numerics`` (nonfinite, loss_scale_collapse), `
 (divergence_spike, divergence_growth, plateau, oscillation, initial_loss), ``gradients``
 (exploding_gradients, vanishing_gradients, missing_gradients, forgotten_zero_grad), ``updates``
 (gradients_not_applied, update_ratio), ``activations`` (dead_relu, saturated_activation),
-``liveness`` (stalled).
+``liveness`` (stalled). :mod:`.floors` is the look at the loss the gradient rules share (a tiny
+gradient at a converged loss is not vanishing); :mod:`.resolve` says when a signature that fired
+has resolved (the daemon's RESOLVED notices).
 """
 
 from .activations import DeadReluConfig, SaturationConfig, detect_dead_relu, detect_saturated_activation
@@ -38,12 +40,14 @@ from .loss import (
                           detect_plateau,
 )
 from .numerics import LossScaleConfig, NonfiniteConfig, detect_loss_scale_collapse, detect_nonfinite
-from .signature_config import SignatureConfig
+from .resolve import shown_resolved, unresolved
+from .signature_config import SignatureConfig, run_signature_config
 from .updates import NotAppliedConfig, UpdateRatioConfig, detect_gradients_not_applied, detect_update_ratio
 from .zero_grad import ZeroGradConfig, detect_forgotten_zero_grad
 
 __all__ = [
-    "evaluate", "Verdict", "Severity", "SIGNATURES", "SignatureConfig",
+    "evaluate", "run_signature_config", "unresolved", "shown_resolved",
+    "Verdict", "Severity", "SIGNATURES", "SignatureConfig",
     "NonfiniteConfig", "LossScaleConfig", "DivergenceSpikeConfig", "DivergenceGrowthConfig",
     "PlateauConfig", "OscillationConfig", "InitialLossConfig", "ExplodingConfig",
     "VanishingConfig", "MissingGradientsConfig", "ZeroGradConfig", "NotAppliedConfig",

@@ -15,6 +15,7 @@ from typing import Mapping, Sequence
 from sentineld.contracts.records import LayerStats, StepRecord
 
 from .base import Verdict, finite, layer_value, make_verdict, median, sampled_layers, step_of, tail
+from .floors import loss_at_floor
 
 __all__ = ["ExplodingConfig", "VanishingConfig", "MissingGradientsConfig",
            "detect_exploding_gradients", "detect_vanishing_gradients",
@@ -40,8 +41,11 @@ class ExplodingConfig:
     """``exploding_gradients``: the global grad norm jumped far above its recent level.
 
     Fires when each of the last ``confirm_steps`` finite grad norms (of steps the optimizer ran) is
-    at least ``ratio`` times the median of the ``baseline_steps`` before them, or exceeds
-    ``max_grad_norm`` when set. Non-finite norms are ``nonfinite``'s to report.
+    at least ``ratio`` times the median of the ``baseline_steps`` before them and at least
+    ``min_grad_norm``, while the loss is not at its floor (:mod:`.floors`); or when they all exceed
+    ``max_grad_norm`` when set (an absolute ceiling holds whatever the loss). Non-finite norms are
+    ``nonfinite``'s to report. The norm is the pre-clip one (the agent records it before
+    ``clip_grad_norm_`` when told ``clip_grad_norm=``), so clipping does not hide an explosion.
 
     Attributes:
         enabled: run this detector.
@@ -52,6 +56,10 @@ class ExplodingConfig:
         ratio: multiple of the baseline median. Default 10.0 (the faults in tests/signatures
             reach 20x-470x; AUTOTRAINER flags a 70x first/last-layer ratio, see
             ``first_last_ratio``).
+        min_grad_norm: absolute floor of the ratio rule. Default 1e-3 (issue 21: a converged run's
+            norm of 6.5e-5 was 215x its median of 3e-7; the faults in tests/signatures explode to
+            10-1000 from a baseline of 0.1-1, and no gradient under 1e-3 moves weights by more
+            than lr x 1e-3 under SGD).
         max_grad_norm: absolute ceiling, or None (default: norms depend on model and loss scale).
         first_last_ratio: also fire when, on ``layer_patience`` sampled steps, the first
             module's grad norm is this multiple of the last one's (AUTOTRAINER beta_3 = 70).
@@ -65,6 +73,7 @@ class ExplodingConfig:
     min_baseline_steps: int = 20
     confirm_steps: int = 4
     ratio: float = 10.0
+    min_grad_norm: float = 1e-3
     max_grad_norm: float | None = None
     first_last_ratio: float | None = None
     layer_patience: int = 2
@@ -75,6 +84,8 @@ class ExplodingConfig:
                 raise ValueError(f"exploding_gradients.{f} must be >= 1")
         if not self.ratio > 1:
             raise ValueError("exploding_gradients.ratio must be > 1")
+        if not self.min_grad_norm >= 0:
+            raise ValueError("exploding_gradients.min_grad_norm must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -84,7 +95,9 @@ class VanishingConfig:
     Fires when (a) the global grad norm stayed below ``min_grad_norm`` for ``patience`` steps in a
     row, or (b) on ``layer_patience`` consecutive sampled steps the first module's grad norm is
     below ``first_max`` and below ``first_last_ratio`` times the last module's (AUTOTRAINER's
-    vanishing-gradient rule, modules in ``named_modules()`` order).
+    vanishing-gradient rule, modules in ``named_modules()`` order); in both cases only while the
+    loss is not at its floor (:mod:`.floors`): a tiny gradient at a loss near 0 is convergence
+    (issue 21: a run that fit its data, loss 1e-8, was told to change its activations).
 
     Attributes:
         enabled: run this detector.
@@ -181,13 +194,14 @@ def _first_last(layers: Mapping[str, LayerStats]) -> tuple[str, float, str, floa
     return fn, fg, ln, lg
 
 
-def detect_exploding_gradients(records: Sequence[StepRecord], config: ExplodingConfig
-                               ) -> list[Verdict]:
+def detect_exploding_gradients(records: Sequence[StepRecord], config: ExplodingConfig,
+                               num_classes: int | None = None) -> list[Verdict]:
     """Report a global grad norm far above its recent level (or above ``max_grad_norm``).
 
     Args:
         records: step records, oldest first.
         config: thresholds.
+        num_classes: classes of a classification loss (the floor of :mod:`.floors`), or None.
 
     Returns:
         One critical verdict, or nothing.
@@ -205,9 +219,9 @@ def detect_exploding_gradients(records: Sequence[StepRecord], config: ExplodingC
                                  {"grad_norm": recent[-1][1], "max_grad_norm": config.max_grad_norm},
                                  EXPLODING_FIX)]
         base = [g for _, g in pts[:-config.confirm_steps]]
-        if len(base) >= config.min_baseline_steps:
+        if len(base) >= config.min_baseline_steps and low >= config.min_grad_norm:
             m = median(base)
-            if m > 0 and low >= config.ratio * m:
+            if m > 0 and low >= config.ratio * m and not loss_at_floor(records, num_classes):
                 msg = (f"grad norm {low:.4g}+ for {config.confirm_steps} steps from step "
                        f"{recent[0][0]}, {low / m:.0f}x the median {m:.4g} of the steps before")
                 return [make_verdict("exploding_gradients", recent[0][0], msg,
@@ -229,19 +243,26 @@ def detect_exploding_gradients(records: Sequence[StepRecord], config: ExplodingC
     return []
 
 
-def detect_vanishing_gradients(records: Sequence[StepRecord], config: VanishingConfig
-                               ) -> list[Verdict]:
-    """Report gradients too small to train (global floor, or AUTOTRAINER's first/last rule).
+def detect_vanishing_gradients(records: Sequence[StepRecord], config: VanishingConfig,
+                               num_classes: int | None = None) -> list[Verdict]:
+    """Report gradients too small to train (global floor, or AUTOTRAINER's first/last rule),
+    unless the loss is at its floor (converged).
 
     Args:
         records: step records, oldest first.
         config: thresholds.
+        num_classes: classes of a classification loss (the floor of :mod:`.floors`), or None.
 
     Returns:
         One warning verdict, or nothing.
     """
     if not config.enabled:
         return []
+    out = _vanishing(records, config)
+    return [] if out and loss_at_floor(records, num_classes) else out
+
+
+def _vanishing(records: Sequence[StepRecord], config: VanishingConfig) -> list[Verdict]:
     recent = [r for r in tail(records, config.patience)
               if not getattr(r, "optimizer_skipped", False)]
     if len(recent) == config.patience:

@@ -138,12 +138,15 @@ class InitialLossConfig:
         enabled: run this detector.
         high_ratio: fire above ``high_ratio * ln(C)``. Default 1.5 (our measurement: default
             PyTorch initialisation lands at 0.97x-1.07x on the runs in tests/signatures).
-        low_ratio: fire below ``low_ratio * ln(C)``. Default 0.5.
+        low_ratio: fire below ``low_ratio * ln(C)``. Default 0.0 (off): a loss far below ln(C)
+            at step 0 is a pretrained, fine-tuned or resumed model, not a fault of the
+            initialisation (issue 21's corpus: fine-tuning starts at 0.08 ln 10). Set 0.5 for
+            runs known to start from scratch.
     """
 
     enabled: bool = True
     high_ratio: float = 1.5
-    low_ratio: float = 0.5
+    low_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.low_ratio < 1 < self.high_ratio:

@@ -8,11 +8,14 @@ Example::
     })
 
 An unknown detector or key raises ValueError naming it, so a typo never silently keeps a default.
+One run can tune or silence signatures for itself: ``attach(..., signatures={"plateau":
+{"enabled": False}})`` stores the mapping in run.json (``extra["signatures"]``) and the daemon
+judges that run with :func:`run_signature_config` (docs/signatures.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
 from .activations import DeadReluConfig, SaturationConfig
@@ -24,7 +27,7 @@ from .numerics import LossScaleConfig, NonfiniteConfig
 from .updates import NotAppliedConfig, UpdateRatioConfig
 from .zero_grad import ZeroGradConfig
 
-__all__ = ["SignatureConfig"]
+__all__ = ["SignatureConfig", "run_signature_config"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,43 @@ class SignatureConfig:
                                  f"{type(sub).__name__}")
             kwargs[name] = _build(sub_cls, name, sub)
         return cls(**kwargs)
+
+
+    def with_overrides(self, values: Mapping[str, Any] | None) -> "SignatureConfig":
+        """This config with some keys changed, e.g. one run's ``{"plateau": {"enabled": False}}``
+        over the daemon's config (keys not named keep this config's values, not the defaults).
+
+        Raises:
+            ValueError: as :meth:`from_mapping`.
+        """
+        if not values:
+            return self
+        if not isinstance(values, Mapping):
+            raise ValueError(f"signature config must be a mapping, got {type(values).__name__}")
+        known = {f.name for f in fields(self)}
+        changes: dict[str, Any] = {}
+        for name, sub in values.items():
+            if name not in known:
+                raise ValueError(f"unknown signature config key '{name}'; known: {', '.join(sorted(known))}")
+            if not isinstance(sub, Mapping):
+                raise ValueError(f"signature config {name!r} must be a mapping, got {type(sub).__name__}")
+            current = getattr(self, name)
+            merged = {f.name: getattr(current, f.name) for f in fields(current)}
+            merged.update(sub)
+            changes[name] = _build(type(current), name, merged)
+        return replace(self, **changes)
+
+
+def run_signature_config(base: SignatureConfig, extra: Mapping[str, Any] | None) -> SignatureConfig:
+    """The config one run is judged with: ``base`` (the daemon's) with the run's own
+    ``signatures`` overrides from its run.json ``extra`` (``attach(..., signatures={...})``).
+    An override the agent did not write (a hand-edited run.json that no longer parses) is ignored:
+    the daemon's config stays in force. Never raises."""
+    try:
+        over = extra.get("signatures") if isinstance(extra, Mapping) else None
+        return base.with_overrides(over) if over else base
+    except (ValueError, TypeError, AttributeError):
+        return base
 
 
 def _sub_cls(f: Any) -> type:

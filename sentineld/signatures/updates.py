@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 from sentineld.contracts.records import StepRecord
 
 from .base import Verdict, finite, layer_value, make_verdict, median, sampled_layers, step_of, trailing
+from .floors import loss_at_floor
 
 __all__ = ["NotAppliedConfig", "UpdateRatioConfig", "detect_gradients_not_applied",
            "detect_update_ratio"]
@@ -37,7 +38,9 @@ class NotAppliedConfig:
     it), (b) on ``layer_patience`` consecutive sampled steps every module with a non-zero gradient
     had update ratio exactly 0, or a given module did while others moved (its parameters are not
     in the optimizer), or (c) the learning rate was exactly 0 for ``zero_lr_steps`` steps in a row
-    while gradients were non-zero.
+    while gradients were non-zero. (b) is not judged while the loss is at its floor
+    (:mod:`.floors`): there a converged model's update rounds to exactly 0 in float32 against
+    its weights (issue 21's memorised run, Adam at loss 0).
 
     Attributes:
         enabled: run this detector.
@@ -66,7 +69,8 @@ class UpdateRatioConfig:
     does not fire it: a learning rate is a model-wide setting. Fires when that median on the latest
     sampled step is above ``max_ratio`` (one such step already rewrote the weights, and the ratio
     falls by itself afterwards as they blow up), or when it stayed below ``min_ratio`` on the last
-    ``patience`` sampled steps. Exact zeros are ``gradients_not_applied``'s.
+    ``patience`` sampled steps while the loss is not at its floor (:mod:`.floors`: a converged
+    model's updates are ~0 by right). Exact zeros are ``gradients_not_applied``'s.
 
     Attributes:
         enabled: run this detector.
@@ -90,8 +94,8 @@ class UpdateRatioConfig:
             raise ValueError("update_ratio.patience must be >= 1")
 
 
-def detect_gradients_not_applied(records: Sequence[StepRecord], config: NotAppliedConfig
-                                 ) -> list[Verdict]:
+def detect_gradients_not_applied(records: Sequence[StepRecord], config: NotAppliedConfig,
+                                 num_classes: int | None = None) -> list[Verdict]:
     """Report gradients that are computed but never change the parameters.
 
     Three tells, most direct first: (a) ``optimizer.step()`` not running, in a run that has no
@@ -101,14 +105,18 @@ def detect_gradients_not_applied(records: Sequence[StepRecord], config: NotAppli
     Args:
         records: step records, oldest first.
         config: thresholds.
+        num_classes: classes of a classification loss (the floor of :mod:`.floors`), or None.
 
     Returns:
         One critical verdict for the whole model, or one per module not updated, or nothing.
     """
     if not config.enabled or not records:
         return []
-    return _optimizer_not_stepping(records, config) or _zero_lr(records, config) \
-        or _modules_not_updated(records, config)
+    out = _optimizer_not_stepping(records, config) or _zero_lr(records, config)
+    if out:
+        return out
+    out = _modules_not_updated(records, config)
+    return [] if out and loss_at_floor(records, num_classes) else out
 
 
 def _trailing_run(records: Sequence[StepRecord], pred: Callable[[StepRecord], bool], cap: int
@@ -201,12 +209,14 @@ def _moving_ratios(layers: object) -> dict[str, float]:
     return out
 
 
-def detect_update_ratio(records: Sequence[StepRecord], config: UpdateRatioConfig) -> list[Verdict]:
+def detect_update_ratio(records: Sequence[StepRecord], config: UpdateRatioConfig,
+                        num_classes: int | None = None) -> list[Verdict]:
     """Report a model-wide update/weight ratio far outside the healthy band.
 
     Args:
         records: step records, oldest first.
         config: thresholds.
+        num_classes: classes of a classification loss (the floor of :mod:`.floors`), or None.
 
     Returns:
         One warning verdict (module None; the numbers name the extreme module), or nothing.
@@ -231,7 +241,7 @@ def detect_update_ratio(records: Sequence[StepRecord], config: UpdateRatioConfig
     if len(per_sample) < config.patience or not all(per_sample):
         return []
     meds = [median(list(d.values())) for d in per_sample]
-    if all(m < config.min_ratio for m in meds):
+    if all(m < config.min_ratio for m in meds) and not loss_at_floor(records, num_classes):
         msg = (f"update/weight ratio {meds[-1]:.3g} (median over modules) below "
                f"{config.min_ratio:g} on the last {config.patience} sampled steps (step {step}); "
                "healthy is about 1e-3")

@@ -380,7 +380,7 @@ def test_oscillation(losses: list[float], num_classes: int | None, fires: bool) 
 @pytest.mark.parametrize("loss0, num_classes, first_step, fires", [
     (2.35, 10, 0, False),
     (7.0, 10, 0, True),
-    (0.5, 10, 0, True),
+    (0.5, 10, 0, False),  # far below ln C: a pretrained model (fine-tuning), not an init fault
     (7.0, None, 0, False),
     (7.0, 10, 3, False),
     (0.72, 2, 0, False),
@@ -393,6 +393,12 @@ def test_initial_loss(loss0: float, num_classes: int | None, first_step: int,
     assert bool(out) == fires
     if fires:
         assert out[0].step == 0 and out[0].numbers["expected"] == pytest.approx(math.log(10))
+
+
+def test_initial_loss_low_side_when_asked() -> None:
+    cfg = SignatureConfig.from_mapping({"initial_loss": {"low_ratio": 0.5}})
+    rs = recs([0.5] + [1.0] * 4, step=list(range(5)))
+    assert detect_initial_loss(rs, cfg.initial_loss, 10)
 
 
 # ------------------------------------------------------------------------------------ stalled

@@ -112,7 +112,9 @@ def copy_optimizer(live: torch.optim.Optimizer, model_map: dict[int, torch.nn.Pa
                                                   for p in g["params"])}
     skip = optimizer_internals()
     for k, v in list(vars(live).items()):
-        if k not in skip:
+        # Callables on the instance are wrappers others patched in (an LR scheduler wraps
+        # ``step`` to count calls): copied, they would step the *live* optimizer.
+        if k not in skip and not callable(v) and k != "_opt_called":
             object.__setattr__(out, k, copy.deepcopy(v, memo))
     torch.optim.Optimizer.__init__(out, groups, copy.deepcopy(dict(live.defaults)))
     return out

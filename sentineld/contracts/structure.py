@@ -183,12 +183,14 @@ def module_tree(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def optimizer_tree(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
-    """The optimizer's class, plain attributes, defaults and param groups by parameter name.
+    """The optimizer's class, plain attributes, defaults and param groups by parameter name
+    (not the callables others patched onto it: an LR scheduler's ``step`` wrapper).
 
     Raises:
         StructureError: the optimizer holds a tensor that is not a parameter of the model.
     """
-    attrs, opaque = _attrs(optimizer, optimizer_internals())
+    patched = frozenset(k for k, v in vars(optimizer).items() if callable(v)) | {"_opt_called"}
+    attrs, opaque = _attrs(optimizer, optimizer_internals() | patched)
     groups = []
     for g in optimizer.param_groups:
         missing = [tuple(p.shape) for p in g["params"] if id(p) not in names]

@@ -169,8 +169,17 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
         report = replay_ddp(ranks, _factory(meta, spec, trust, named_by), step, env, t0=t0)
         report.run_id = meta.run_id
         return report
-    report = replay_capture(
-        cap_path, lambda: _factory(meta, spec, trust, named_by), step, env, t0=t0)
+    try:
+        report = replay_capture(
+            cap_path, lambda: _factory(meta, spec, trust, named_by), step, env, t0=t0)
+    except ReplayError as exc:
+        from sentineld.contracts.verdict_file import verdict_path  # noqa: PLC0415
+
+        own = verdict_path(cap_path)
+        if spec or meta.recipe or "recorded model, optimizer and loss_fn" not in str(exc):
+            raise
+        raise ReplayError(f"{exc}; or pass --recipe module:function"
+                          + (f"; the training process's own verdict is in {own}" if own.exists() else "")) from None
     report.run_id = meta.run_id
     if missing:
         from .ddp import mark_partial  # noqa: PLC0415

@@ -108,7 +108,7 @@ def test_localize_off_and_bad_settings(tmp_path):
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="localize must be one of"):
-        attach(model, opt, runs_dir=tmp_path, metrics_port=0, localize="process")
+        attach(model, opt, runs_dir=tmp_path, metrics_port=0, localize="bogus")
     with pytest.raises(ValueError, match="loss_fn must be a function"):
         attach(model, opt, runs_dir=tmp_path, metrics_port=0, loss_fn=3)
     w = attach(model, opt, runs_dir=tmp_path, metrics_port=0, localize="off", run_id="off")
@@ -255,4 +255,6 @@ def test_cli_replay_of_a_loss_fn_run_points_to_its_own_verdict(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "sentineld", "replay", str(out["watch"].run_dir)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "recorded no recipe; pass --recipe" in proc.stderr and str(verdict_path(cap)) in proc.stderr
+    # The run's loss_fn is a closure: its recorded objects cannot be rebuilt; say why and what to do.
+    assert "cannot be rebuilt" in proc.stderr and "closure" in proc.stderr and "--recipe" in proc.stderr
+    assert str(verdict_path(cap)) in proc.stderr

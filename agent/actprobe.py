@@ -30,10 +30,16 @@ Only calls whose input requires grad, with grad mode on, are looked at (an activ
 a constant or in an evaluation pass is no unit being trained). The activation whose output is
 the model's output is left out (a confident sigmoid prediction is not a fault).
 
-Cost: nothing on other steps (no hook, no mode). On a sampled step every torch function call of
-the forward passes through the mode's Python handler, and each activation call adds one or two
-reductions on its device; nothing is read back here (the caller reads all figures in one
-transfer).
+Cost: nothing on other steps (no hook, no mode). On a sampled step, activation modules
+(``nn.ReLU``, ``nn.GELU``, ``nn.Tanh`` ...) are measured by the module stack's own hooks, and
+the function mode is on only while the innermost running module is one whose ``forward`` may call
+an activation function (a user's module; not the torch.nn layers that compute none, such as
+``nn.Conv2d``, ``nn.BatchNorm2d``, ``nn.MaxPool2d``, ``nn.Linear``, ``nn.Sequential``: see
+:func:`module_kind`). A model built from torch.nn layers alone never enters the mode; before,
+every convolution, batch-norm and pooling call of a sampled forward went through the mode's
+Python handler, about one whole extra step on a CNN. Each activation call adds one max
+reduction per unit (two for saturation) on its device; nothing is read back here (the caller
+reads all figures in one transfer).
 """
 
 from __future__ import annotations
@@ -173,12 +179,82 @@ def _unit_dims(t: torch.Tensor) -> tuple[int, ...] | None:
     return tuple(d for d in range(t.dim()) if d != 1)
 
 
-class _Frame:
-    __slots__ = ("module", "name", "counts")
+def _module_rules() -> dict[type, Callable[[Any], Rule | None]]:
+    """The activation modules measured by their own forward hooks (no function mode): their
+    ``forward`` is one call of the functional the mode would see, with the module's settings."""
+    out: dict[type, Callable[[Any], Rule | None]] = {
+        nn.ReLU: lambda m: RELU, nn.ReLU6: lambda m: Rule("relu6", "dead"),
+        nn.Hardtanh: lambda m: _hardtanh((None, m.min_val, m.max_val), {}),
+        nn.GELU: lambda m: _gelu((None, m.approximate), {}),
+        nn.SiLU: lambda m: _SMOOTH["silu"], nn.Mish: lambda m: _SMOOTH["mish"],
+        nn.SELU: lambda m: _SMOOTH["selu"], nn.Hardswish: lambda m: _SMOOTH["hardswish"],
+        nn.ELU: lambda m: _elu((None, m.alpha), {}), nn.CELU: lambda m: _celu((None, m.alpha), {}),
+        nn.Tanh: lambda m: _SAT["tanh"], nn.Sigmoid: lambda m: _SAT["sigmoid"]}
+    return out
 
-    def __init__(self, module: nn.Module, name: str) -> None:
-        self.module, self.name = module, name
+
+_MODULE_RULES = _module_rules()
+
+#: torch.nn classes (exact types) whose ``forward`` computes no activation the probe measures:
+#: the function mode is left while one of them runs, so their ops (convolution, batch norm,
+#: pooling ...) skip the mode's Python handler, the probe's whole cost on a CNN before. A
+#: subclass (its own ``forward``) is not in here and is looked at as any user module.
+_QUIET_NAMES = (
+    "Identity Linear Bilinear LazyLinear Conv1d Conv2d Conv3d ConvTranspose1d ConvTranspose2d "
+    "ConvTranspose3d LazyConv1d LazyConv2d LazyConv3d LazyConvTranspose1d LazyConvTranspose2d "
+    "LazyConvTranspose3d BatchNorm1d BatchNorm2d BatchNorm3d LazyBatchNorm1d LazyBatchNorm2d "
+    "LazyBatchNorm3d SyncBatchNorm LayerNorm GroupNorm RMSNorm LocalResponseNorm InstanceNorm1d "
+    "InstanceNorm2d InstanceNorm3d LazyInstanceNorm1d LazyInstanceNorm2d LazyInstanceNorm3d "
+    "Dropout Dropout1d Dropout2d Dropout3d AlphaDropout FeatureAlphaDropout Embedding EmbeddingBag "
+    "MaxPool1d MaxPool2d MaxPool3d AvgPool1d AvgPool2d AvgPool3d AdaptiveAvgPool1d AdaptiveAvgPool2d "
+    "AdaptiveAvgPool3d AdaptiveMaxPool1d AdaptiveMaxPool2d AdaptiveMaxPool3d LPPool1d LPPool2d "
+    "Flatten Unflatten ZeroPad1d ZeroPad2d ZeroPad3d ConstantPad1d ConstantPad2d ConstantPad3d "
+    "ReflectionPad1d ReflectionPad2d ReflectionPad3d ReplicationPad1d ReplicationPad2d "
+    "ReplicationPad3d CircularPad1d CircularPad2d CircularPad3d Upsample UpsamplingNearest2d "
+    "UpsamplingBilinear2d PixelShuffle PixelUnshuffle ChannelShuffle Softmax LogSoftmax Softmax2d "
+    "Softmin LeakyReLU PReLU RReLU Softplus Softsign Threshold GLU MultiheadAttention Sequential "
+    "ModuleList ModuleDict ParameterList ParameterDict TransformerEncoder TransformerDecoder "
+    "Transformer TransformerEncoderLayer TransformerDecoderLayer").split()
+#: torch.nn layers whose feed-forward block calls a function activation on ``linear1``'s output
+#: (``linear2(dropout(activation(linear1(x))))``): quiet, and measured on that output instead
+#: (the activation's input, attributed to the layer as the mode attributed the call).
+_FF_LAYERS = ("TransformerEncoderLayer", "TransformerDecoderLayer")
+_QUIET: frozenset[type] = frozenset(t for t in (getattr(nn, n, None) for n in _QUIET_NAMES)
+                                    if isinstance(t, type))
+
+OPEN, QUIET, ACT = 0, 1, 2   # how a module's forward is looked at (see _Frame)
+
+
+def module_kind(module: nn.Module) -> int:
+    """``ACT``: an activation module, measured by its hooks; ``QUIET``: a torch.nn module that
+    computes no measured activation (the function mode is off inside it); ``OPEN``: anything
+    else (a user's ``forward`` may call ``F.relu`` ...: the function mode looks at it)."""
+    t = type(module)
+    if t in _MODULE_RULES:
+        return ACT
+    return QUIET if t in _QUIET else OPEN
+
+
+def _live_units(t: torch.Tensor, level: float) -> torch.Tensor | None:
+    """Per unit (see :func:`_unit_dims`), True when some value over the batch is above ``level``:
+    one max reduction (``amax(t) > level`` is ``any(t > level)`` without the full boolean
+    tensor; a unit with a NaN value reads as not live). None for a scalar."""
+    dims = _unit_dims(t)
+    if dims is None:
+        return None
+    if not dims:
+        return t > level
+    return torch.amax(t, dim=dims) > level
+
+
+class _Frame:
+    __slots__ = ("module", "name", "counts", "kind", "rule", "pre")
+
+    def __init__(self, module: nn.Module, name: str, kind: int) -> None:
+        self.module, self.name, self.kind = module, name, kind
         self.counts: dict[str, int] = {}
+        self.rule: Rule | None = None
+        self.pre: torch.Tensor | None = None
 
 
 class _Mode(TorchFunctionMode):
@@ -188,6 +264,11 @@ class _Mode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        frames = self.probe._frames
+        # Inside an activation module (its hooks measure it) or a quiet one whose entry could not
+        # leave the mode (another mode above ours): pass through.
+        if not frames or frames[-1].kind != OPEN:
+            return func(*args, **kwargs)
         rule = rule_for(func, args, kwargs)
         if rule is None:
             return func(*args, **kwargs)
@@ -216,6 +297,17 @@ class ActivationProbe:
     def __init__(self, model: nn.Module) -> None:
         self._root = model
         self._names = {id(m): n for n, m in model.named_modules()}
+        self._kinds = {id(m): module_kind(m) for _, m in model.named_modules()}
+        self._ff: dict[int, tuple[nn.Module, Rule]] = {}   # id(linear1) -> (its layer, the rule)
+        for _, m in model.named_modules():
+            if type(m) in {getattr(nn, n, None) for n in _FF_LAYERS} and \
+                    isinstance(getattr(m, "linear1", None), nn.Module):
+                act = getattr(m, "activation", None)
+                rule = rule_for(act, (None,), {})
+                if rule is not None:
+                    self._ff[id(m.linear1)] = (m, rule)
+                elif not isinstance(act, nn.Module):      # (a module activation is measured as one)
+                    self._kinds[id(m)] = OPEN               # some other callable: the mode looks
         self._hooks: list[Any] = []
         self._mode: _Mode | None = None
         self._thread = 0
@@ -275,23 +367,55 @@ class ActivationProbe:
             return                              # not the model's: its calls go to the caller
         if not self._frames and not torch.is_grad_enabled():
             return      # an evaluation pass: nothing to measure, and no mode to change its path
-        self._frames.append(_Frame(module, name))
-        if len(self._frames) == 1 and self._mode is None and not _probe_mode_active():
-            # (a second watch on the same model: the first one's probe measures this forward;
-            # two probe modes would interleave and the stack check below would fail)
-            self._mode = _Mode(self)
-            self._mode.__enter__()
+        frame = _Frame(module, name, self._kinds.get(id(module), OPEN))
+        self._frames.append(frame)
+        if frame.kind == ACT:
+            try:
+                frame.rule = _MODULE_RULES[type(module)](module)
+                if frame.rule is not None:
+                    frame.pre = self.before(frame.rule, args[0] if args else None)
+            except Exception as exc:  # noqa: BLE001 - never break training
+                self._fail(exc)
+        self._sync_mode()
 
     def _pop(self, module: nn.Module, args: Any, out: Any) -> None:
         if not self._frames or self._frames[-1].module is not module \
                 or threading.get_ident() != self._thread:
             return
-        self._frames.pop()
+        frame = self._frames.pop()
+        ff = self._ff.get(id(module)) if self._ff else None
+        if ff is not None and self._frames and self._frames[-1].module is ff[0]:
+            rule = ff[1]
+            self.after(rule, self.before(rule, out) if rule.on_input else out, out, self._frames[-1])
+        if frame.rule is not None:
+            # named after the activation module itself, as the mode named the F.relu call in
+            # nn.ReLU.forward (its innermost module)
+            pre, frame.pre = frame.pre, None
+            self.after(frame.rule, pre, out, frame)
         if not self._frames:
             self._exit_mode()
             last, self._last = self._last, None
             if module is self._root and last is not None and last[1] is out:
                 self.outputs.add(last[0])
+        else:
+            self._sync_mode()
+
+    def _sync_mode(self) -> None:
+        """The function mode on exactly while the innermost module is an ``OPEN`` one."""
+        want = self._frames[-1].kind == OPEN
+        if want and self._mode is None:
+            if _probe_mode_active():
+                # (a second watch on the same model: the first one's probe measures this forward;
+                # two probe modes would interleave and the stack check would fail)
+                return
+            self._mode = _Mode(self)
+            self._mode.__enter__()
+        elif not want and self._mode is not None:
+            n = torch._C._len_torch_function_stack()
+            if n and torch._C._get_function_stack_at(n - 1) is self._mode:
+                mode, self._mode = self._mode, None
+                mode.__exit__(None, None, None)
+            # else another mode is above ours: leave both; ours passes this module's calls through
 
     def _exit_mode(self) -> None:
         mode, self._mode = self._mode, None
@@ -305,7 +429,7 @@ class ActivationProbe:
 
     # ---------------------------------------------------------------- measuring
     def before(self, rule: Rule, x: Any) -> torch.Tensor | None:
-        """The input-side live mask of a smooth activation, taken before an in-place call."""
+        """The input-side live units of a smooth activation, taken before an in-place call."""
         if not self._frames or self.error is not None or not isinstance(x, torch.Tensor) \
                 or not x.is_floating_point() or not x.requires_grad or not torch.is_grad_enabled() \
                 or x.layout != torch.strided or x.is_nested:
@@ -313,18 +437,19 @@ class ActivationProbe:
         try:
             if rule.kind != "dead" or not rule.on_input:
                 return x                        # measured on the output
-            return x.detach() > rule.level
+            return _live_units(x.detach(), rule.level)
         except Exception as exc:  # noqa: BLE001 - never break training
             self._fail(exc)
             return None
 
-    def after(self, rule: Rule, pre: torch.Tensor | None, out: Any) -> None:
-        """Accumulate one call's figures into its site."""
-        if pre is None or not self._frames or self.error is not None \
+    def after(self, rule: Rule, pre: torch.Tensor | None, out: Any, frame: _Frame | None = None) -> None:
+        """Accumulate one call's figures into its site (``frame``'s module; default the innermost)."""
+        if frame is None:
+            frame = self._frames[-1] if self._frames else None
+        if pre is None or frame is None or self.error is not None \
                 or not isinstance(out, torch.Tensor) or out.layout != torch.strided or out.is_nested:
             return
         try:
-            frame = self._frames[-1]
             k = frame.counts.get(rule.op, 0)
             frame.counts[rule.op] = k + 1
             site = (frame.name, rule.op, k)
@@ -332,7 +457,7 @@ class ActivationProbe:
             with torch.no_grad():
                 y = out.detach()
                 if rule.kind == "dead":
-                    self._dead(site, pre if rule.on_input else y > rule.level)
+                    self._dead(site, pre if rule.on_input else _live_units(y, rule.level))
                 else:
                     lo, hi = rule.band
                     sat = ((y < lo) | (y > hi)).sum()
@@ -342,12 +467,9 @@ class ActivationProbe:
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
 
-    def _dead(self, site: Site, live: torch.Tensor) -> None:
-        dims = _unit_dims(live)
-        if dims is None:
+    def _dead(self, site: Site, live: torch.Tensor | None) -> None:
+        if live is None:
             return
-        if dims:
-            live = live.any(dim=dims)
         prev = self.live.get(site)
         if prev is None:
             self.live[site] = live

@@ -44,6 +44,10 @@ class AgentConfig:
         post_steps: steps recorded after the offending one before its capture is written, so
             the replay can follow a fault that shows one step later (e.g. a grad norm that
             overflows before the parameters do); the capture is also written at close.
+        spike_captures: most ``spike`` captures per run: a finite loss spike by the
+            ``loss_spike`` rule (:mod:`sentineld.signatures.spike`, its per-step cost a few us)
+            writes a capture of the ring that ``sentineld replay`` explains (data, state or
+            interaction); 0 = off. Default 4 (each capture is the ring: bounded by ring_bytes).
         capture_on_crash: write a ``crash`` capture when the watched block raises, when an
             exception reaches ``sys.excepthook`` (loops without ``with``), and on SIGTERM.
         capture_on_sigterm: install a SIGTERM handler (main thread only; not when SIGTERM is
@@ -70,6 +74,7 @@ class AgentConfig:
     layer_every: int = 50
     rearm_steps: int = REARM_STEPS
     post_steps: int = 2
+    spike_captures: int = 4
     capture_on_crash: bool = True
     capture_on_sigterm: bool = True
     disk_ring: bool = False
@@ -90,6 +95,8 @@ class AgentConfig:
             raise ValueError(f"metrics_port_range must be >= 1 ports, got {self.metrics_port_range}")
         if not self.flush_s > 0:
             raise ValueError(f"flush_s must be > 0 seconds, got {self.flush_s}")
+        if self.spike_captures < 0:
+            raise ValueError(f"spike_captures must be >= 0 (0 = off), got {self.spike_captures}")
         if self.layer_every < 0 or self.rearm_steps < 0 or self.post_steps < 0 or self.ring_bytes <= 0:
             raise ValueError("layer_every, rearm_steps and post_steps must be >= 0 and ring_bytes > 0")
 

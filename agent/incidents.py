@@ -4,7 +4,10 @@ incident, unless one is open (latched); the capture is written ``post_steps`` st
 replay can follow a fault that shows one step after it is made; ``rearm_steps`` finite steps in a
 row re-arm it (one capture per incident, not one per step): the rule of
 :func:`sentineld.contracts.nonfinite.current_incident`, so the daemon alerts the same steps. The
-message names what is non-finite in the rule's words. Pure state, no I/O.
+message names what is non-finite in the rule's words. A finite loss spike
+(:class:`sentineld.signatures.spike.SpikeTracker`, the daemon's ``loss_spike`` rule) opens a
+``spike`` incident the same way when no incident is open, at most ``max_spikes`` per run (each
+writes a capture the replay explains). Pure state, no I/O.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import torch
 from sentineld.contracts.nonfinite import is_nonfinite, nonfinite_reasons
 from sentineld.contracts.records import LayerStats, StepRecord
 from sentineld.contracts.treecodec import map_tensors
-from sentineld.contracts.triggers import NONFINITE
+from sentineld.contracts.triggers import NONFINITE, SPIKE
+from sentineld.signatures.spike import SpikeTracker
 
 __all__ = ["Incident", "IncidentPolicy", "batch_check", "params_nonfinite"]
 
@@ -38,13 +42,16 @@ class IncidentPolicy:
     Args:
         rearm_steps: finite steps after an incident before another may open (AgentConfig).
         post_steps: steps recorded after the incident's step before its capture (AgentConfig).
+        max_spikes: most ``spike`` captures per run (AgentConfig.spike_captures; 0 = off).
     """
 
-    def __init__(self, rearm_steps: int, post_steps: int) -> None:
+    def __init__(self, rearm_steps: int, post_steps: int, max_spikes: int = 0) -> None:
         self.rearm_steps, self.post_steps = rearm_steps, post_steps
         self.latched = False
         self.open: Incident | None = None
         self._finite_streak = 0
+        self.spikes = SpikeTracker() if max_spikes > 0 else None
+        self.spikes_left = max_spikes
 
     def observe(self, record: StepRecord) -> tuple[bool, Incident | None]:
         """Take one step's record; returns ``(non-finite?, the incident it opened or None)``."""
@@ -53,7 +60,7 @@ class IncidentPolicy:
             self._finite_streak += 1
             if self.latched and self._finite_streak >= self.rearm_steps:
                 self.latched = False
-            return False, None
+            return False, self._spike(record)
         self._finite_streak = 0
         if self.latched:
             return True, None
@@ -61,6 +68,17 @@ class IncidentPolicy:
         what = ", ".join(nonfinite_reasons(record)) or "value"
         self.open = Incident(NONFINITE, record.step, f"non-finite {what} at step {record.step}")
         return True, self.open
+
+    def _spike(self, record: StepRecord) -> Incident | None:
+        """A ``spike`` incident when ``record`` opens a loss spike and nothing else is open."""
+        if self.spikes is None:
+            return None
+        v = self.spikes.observe(record.step, record.loss, record.grad_norm)
+        if v is None or self.open is not None or self.latched or self.spikes_left <= 0:
+            return None
+        self.spikes_left -= 1
+        self.open = Incident(SPIKE, record.step, v.message)
+        return self.open
 
     def due(self, last_step: int) -> bool:
         """True when the open incident's capture should be written now (``last_step`` recorded)."""

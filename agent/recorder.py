@@ -28,7 +28,7 @@ import torch
 from sentineld.contracts.records import record_to_json
 from sentineld.contracts.snapshot import state_of
 from sentineld.contracts.stream import StreamWriter
-from sentineld.contracts.triggers import NONFINITE
+from sentineld.contracts.triggers import NONFINITE, SPIKE
 
 from .agent_config import AgentConfig
 from .capturer import CaptureWriter
@@ -79,7 +79,10 @@ class StepRecorder:
         self.peers = peers  # DDP: other ranks' incidents (agent/peers.py), None in one process
         self.ring = Ring(config.window, config.ring_bytes)
         self.schedule = SnapshotSchedule(config)
-        self.incidents = IncidentPolicy(config.rearm_steps, config.post_steps)
+        # A spike capture is replayed from its own rank alone, which is not the step a
+        # data-parallel run took (its gradients were all-reduced): no spike captures there yet.
+        self.incidents = IncidentPolicy(config.rearm_steps, config.post_steps,
+                                        config.spike_captures if peers is None else 0)
         self.readback = Readback()
         self.copies = HostCopies()
         if live is not None:
@@ -95,6 +98,7 @@ class StepRecorder:
         self._pre_hook_ran = False
         self.clip_grad_norm = clip_grad_norm
         self._bw_norm: torch.Tensor | None = None  # pre-clip norm at the end of backward
+        self._clip_max: float | None = None  # set: this step's norm is kept (taken before clipping)
 
     # ------------------------------------------------------------- hook side
     def begin(self, args: Any, kwargs: Any) -> None:
@@ -127,11 +131,21 @@ class StepRecorder:
                 g = g / scale.to(g.device, non_blocking=True).float().reshape(())
         self._bw_norm = g
 
-    def grads_ready(self) -> None:
+    def grads_ready(self, norm: torch.Tensor | None = None, clip_max: float | None = None) -> None:
         """The gradients are complete: take the global grad norm (on device, no sync), or use
-        the pre-clip one of :meth:`backward_done`."""
-        self._gnorm = self._bw_norm if self._bw_norm is not None else grad_norm(self.optimizer)
+        the pre-clip one of :meth:`backward_done`.
+
+        ``norm``: the framework's own value (the HF Trainer's clip returns it); ``clip_max``:
+        the framework clips to this norm next, so this value is kept for the step (a later
+        call, e.g. the optimizer's pre-hook, would see the clipped gradients)."""
+        if self._clip_max is not None:
+            return
+        if norm is not None:
+            self._gnorm = norm.detach().float().reshape(())
+        else:
+            self._gnorm = self._bw_norm if self._bw_norm is not None else grad_norm(self.optimizer)
         self._pre_hook_ran = True
+        self._clip_max = clip_max
 
     # ------------------------------------------------------------------ step
     def record(self, loss: torch.Tensor | float, batch: Any) -> None:
@@ -146,6 +160,7 @@ class StepRecorder:
         gnorm = self._gnorm if self._pre_hook_ran else (
             self._bw_norm if self._bw_norm is not None else grad_norm(self.optimizer))
         forward_seen = self.step_started
+        clip_max, self._clip_max = self._clip_max, None
         self._gnorm, self._pre_hook_ran, self.step_started, self._bw_norm = None, False, False, None
         loss_t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         groups = self.optimizer.param_groups
@@ -169,7 +184,7 @@ class StepRecorder:
                   "layers": layers or None, "param_nonfinite": params_nonfinite(layers),
                   "rank": self.rank, "grads_carried": self.grads_carried,
                   "lr": float(lr) if lr is not None and not isinstance(lr, torch.Tensor) else None,
-                  "clip_grad_norm": self.clip_grad_norm}
+                  "clip_grad_norm": clip_max if clip_max is not None else self.clip_grad_norm}
         event = self.readback.push(n, values, fields, entry)
         self.n += 1
         self._after(entry, event, forward_seen)
@@ -237,7 +252,7 @@ class StepRecorder:
             bad, opened = self.incidents.observe(record)
             lt.nonfinite_total += int(bad)
             self.stream.put(obj, urgent=bad)
-            if opened is not None and self.peers is not None:
+            if opened is not None and opened.trigger == NONFINITE and self.peers is not None:
                 self.peers.publish(opened.step)  # other ranks capture this step too
 
     # ------------------------------------------------------------- snapshots
@@ -296,6 +311,10 @@ class StepRecorder:
         # broke the parameters (seen only in N's loss) it is already corrupt, so prefer the one before.
         ring = self.ring
         span = (ring.span(end, before=step - 1) if step > 0 else None) or ring.span(end, before=step)
+        if trigger == SPIKE and step > 1:
+            # The spike replay compares the update that made the spiking state with the one
+            # before it: a snapshot two steps back when the ring holds one.
+            span = ring.span(end, before=step - 2) or span
         if span is None:
             log.warning("sentineld: step %d is not in the ring buffer (window %d); no capture",
                         step, self.config.window)

@@ -245,18 +245,26 @@ class Watch:
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.grads_ready()
 
-    def grads_ready(self) -> None:
+    def grads_ready(self, norm: torch.Tensor | None = None, clip_max: float | None = None) -> None:
         """Take this step's global grad norm now: the gradients are complete, not yet clipped.
 
         The optimizer's step pre-hook does this. A framework that runs forward and backward
         inside ``optimizer.step(closure)`` (Lightning) runs that pre-hook before the closure, on
         the previous step's gradients; its callback calls this again once the closure is done
         (``on_before_optimizer_step``), and the later value is the one recorded. Never raises.
+
+        Args:
+            norm: the global grad norm the framework computed itself (shape ``()``, on device;
+                the HF Trainer's clipping returns it); None: computed here.
+            clip_max: the max norm the framework clips the gradients to right after this call.
+                The value taken now is then kept for the step (the optimizer's pre-hook would
+                see clipped gradients) and the step record's ``clipped`` says whether clipping
+                changed them.
         """
         if not self.enabled:
             return
         try:
-            self._rec.grads_ready()
+            self._rec.grads_ready(norm, clip_max)
         except Exception as exc:  # noqa: BLE001
             self._disable(exc)
 

@@ -24,8 +24,8 @@ from typing import Any, Callable
 from sentineld.contracts.capture import CaptureError, first_rank_capture, open_capture
 from sentineld.contracts.errors import BadInput
 from sentineld.contracts.recipe import Recipe
-from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, read_run_meta
-from sentineld.contracts.triggers import NONFINITE
+from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, parse_capture_name, read_run_meta
+from sentineld.contracts.triggers import NONFINITE, SPIKE
 from sentineld.contracts.verdict import Report
 
 from .localize import localize
@@ -109,7 +109,8 @@ def _build(factory: Callable[..., Any], spec: str, args: dict[str, Any]) -> Reci
 
 
 def replay_run(run_dir: str | Path, step: int | None = None, *, recipe: str | None = None,
-               trust: bool = False, capture: str | Path | None = None, rank: int | None = None) -> Report:
+               trust: bool = False, capture: str | Path | None = None, rank: int | None = None,
+               what_if: bool = False, repeats: int = 3) -> Report:
     """Replay a run's offending step and return the verdict.
 
     Args:
@@ -118,6 +119,10 @@ def replay_run(run_dir: str | Path, step: int | None = None, *, recipe: str | No
         recipe: ``module:function`` overriding the one in run.json.
         trust: import the recipe without ownership checks (logged as a warning).
         capture: a specific capture file (default: the one holding ``step``).
+        what_if: also check candidate fixes and classify the fault (``what_if`` and
+            ``reproducibility`` in the verdict; :mod:`replay.cf_replay`). A ``spike`` capture
+            always gets the spike verdict (:mod:`replay.spike`).
+        repeats: runs of the unchanged step for the reproducibility class.
 
     Returns:
         The :class:`Report`; ``reproduced`` says whether every re-executed loss equalled the
@@ -128,7 +133,7 @@ def replay_run(run_dir: str | Path, step: int | None = None, *, recipe: str | No
             message saying what to do (never another exception type).
     """
     try:
-        return _replay(Path(run_dir), step, recipe, trust, capture, rank)
+        return _replay(Path(run_dir), step, recipe, trust, capture, rank, what_if, repeats)
     except (ReplayError, CaptureError, RunDirError, RecipeError, UntrustedError):
         raise
     except RebuildError as exc:
@@ -137,8 +142,17 @@ def replay_run(run_dir: str | Path, step: int | None = None, *, recipe: str | No
         raise ReplayError(f"re-executing the run's steps failed: {type(exc).__name__}: {exc}") from exc
 
 
+def _is_spike(cap_path: Path) -> bool:
+    parsed = parse_capture_name(cap_path.name)
+    if parsed is not None:
+        return parsed[2] == SPIKE
+    with open_capture(cap_path) as cap:
+        return cap.trigger == SPIKE
+
+
 def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
-            capture: str | Path | None, rank: int | None = None) -> Report:
+            capture: str | Path | None, rank: int | None = None, what_if: bool = False,
+            repeats: int = 3) -> Report:
     t0 = time.perf_counter()
     meta = read_run_meta(run_dir)
     ranks: dict[int, Path] = {}
@@ -169,6 +183,22 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
         report = replay_ddp(ranks, _factory(meta, spec, trust, named_by), step, env, t0=t0)
         report.run_id = meta.run_id
         return report
+    if meta.world_size > 1 and _is_spike(cap_path):
+        raise ReplayError(f"{cap_path.name}: a loss-spike verdict of a {meta.world_size}-rank run is not "
+                          "replayed yet (each rank's step used all ranks' gradients); replay a "
+                          "single-process run's spike, or the non-finite captures of this run")
+    if not missing and (what_if or _is_spike(cap_path)):
+        from .cf_replay import add_what_if, run_compiled, spike_replay  # noqa: PLC0415
+
+        if _is_spike(cap_path):
+            report = spike_replay(cap_path, _factory(meta, spec, trust, named_by), step, env, what=what_if,
+                                  compiled=run_compiled(meta), repeats=repeats, t0=t0)
+            report.run_id = meta.run_id
+            return report
+        report = replay_capture(cap_path, lambda: _factory(meta, spec, trust, named_by), step, env, t0=t0)
+        report.run_id = meta.run_id
+        return add_what_if(report, cap_path, _factory(meta, spec, trust, named_by), env,
+                           compiled=run_compiled(meta), repeats=repeats)
     try:
         report = replay_capture(
             cap_path, lambda: _factory(meta, spec, trust, named_by), step, env, t0=t0)

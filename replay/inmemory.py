@@ -65,9 +65,12 @@ def copy_module(live: torch.nn.Module, modes: list[bool] | None = None) -> torch
             if id(p) not in memo:
                 memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, memory_format=torch.preserve_format),
                                                  requires_grad=p.requires_grad)
-        for b in m.buffers(recurse=False):
+        transient: set[str] = getattr(m, "_non_persistent_buffers_set", set())
+        for name, b in m.named_buffers(recurse=False):
             if id(b) not in memo:
-                memo[id(b)] = torch.empty_like(b)
+                # A non-persistent buffer (BERT's position_ids) is in no state_dict, so no
+                # snapshot brings it: copy its value (a constant, as a rule), not empty memory.
+                memo[id(b)] = b.detach().clone() if name in transient else torch.empty_like(b)
         for attr in _hook_dicts(m):
             d = getattr(m, attr)
             hooks.append((m, attr, [(k, h) for k, h in list(d.items()) if not _ours(h)]))

@@ -41,6 +41,12 @@ def replay_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--rank", type=int, default=None,
                      help="Replay this rank's capture (default: the rank whose own loss went "
                           "non-finite first)."),
+        click.option("--what-if", "what_if", is_flag=True,
+                     help="Also re-run the step under candidate fixes (eps at the culprit op, lr x0.1, "
+                          "clipping, ...) and classify the fault (software, precision, compiler, "
+                          "transient). A candidate finite for the checked steps is evidence, not proof."),
+        click.option("--repeats", type=click.IntRange(2, 50), default=3, show_default=True,
+                     help="Runs of the unchanged step for the reproducibility class (with --what-if)."),
         click.option("--runs-dir", type=click.Path(file_okay=False), default=None,
                      help="Parent of run directories, where a RUN id is looked up (default: "
                           "$SENTINELD_RUNS_DIR, the config's runs_dir, else "
@@ -52,7 +58,8 @@ def replay_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def run_replay(run: str, step: int | None, as_json: bool, recipe: str | None, capture: str | None,
-               trust: bool, runs_dir: str | None, rank: int | None = None) -> int:
+               trust: bool, runs_dir: str | None, rank: int | None = None, what_if: bool = False,
+               repeats: int = 3) -> int:
     """Replay RUN (an id under ``runs_dir`` or a directory), print the verdict, return the exit code.
 
     Args:
@@ -78,7 +85,8 @@ def run_replay(run: str, step: int | None, as_json: bool, recipe: str | None, ca
         from sentineld.replay.engine import replay_run  # noqa: PLC0415
 
         with stdout_to_stderr():  # the user's code may print: stdout carries only the verdict
-            report = replay_run(run_dir, step, recipe=recipe, trust=trust, capture=capture, rank=rank)
+            report = replay_run(run_dir, step, recipe=recipe, trust=trust, capture=capture, rank=rank,
+                                what_if=what_if, repeats=repeats)
     except SentineldError as exc:
         click.echo(f"sentineld: {exc}", err=True)
         return exc.exit_code
@@ -106,9 +114,9 @@ def stdout_to_stderr() -> Iterator[None]:
 @click.command(name="replay")
 @replay_options
 def command(run: str, step: int | None, as_json: bool, recipe: str | None, capture: str | None,
-            trust: bool, rank: int | None, runs_dir: str | None) -> None:
+            trust: bool, rank: int | None, runs_dir: str | None, what_if: bool = False, repeats: int = 3) -> None:
     """Rebuild RUN (an id or a directory) before the offending step and name where it broke."""
-    sys.exit(run_replay(run, step, as_json, recipe, capture, trust, runs_dir, rank))
+    sys.exit(run_replay(run, step, as_json, recipe, capture, trust, runs_dir, rank, what_if, repeats))
 
 
 def main() -> None:

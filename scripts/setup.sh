@@ -32,6 +32,6 @@ TORCH_VERSION=$("$VPY" -c "import torch; print(torch.__version__)")
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 echo "torch==$TORCH_VERSION" > "$constraints"
-quiet "$VPY" -m pip install -q -e ".[demo,test]" -c "$constraints"
+quiet "$VPY" -m pip install -q -e ".[demo,test,fast]" -c "$constraints"
 "$VPY" -c "import sentineld.agent, sentineld.replay, torch; print('setup: sentineld ready in .venv with torch', torch.__version__)"
 touch "$STAMP"

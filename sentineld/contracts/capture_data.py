@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from typing import Any
 
 import numpy as np
+
+try:
+    # ISA-L's CRC-32 is zlib's (same polynomial, same values: old captures verify), about 3x
+    # faster here (96 MiB: 0.05 vs 0.15 s), and it releases the GIL; it is the capture write's
+    # second biggest cost after the write itself. Optional: `pip install sentineld[fast]`.
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - the extra is not installed
+    from zlib import crc32
 
 from sentineld.contracts.errors import BadInput
 from sentineld.contracts.treecodec import encode
@@ -74,7 +81,7 @@ MIN_DATASET_LIMIT_BYTES = 64 << 20
 
 
 class CrcPool:
-    """CRC-32 of big arrays on a second thread while HDF5 writes the next one (zlib's crc32
+    """CRC-32 of big arrays on a second thread while HDF5 writes the next one (crc32
     releases the GIL): the checksum then costs little wall time beyond the write itself.
     :meth:`finish` waits and stores each ``crc32`` attribute, on the calling thread."""
 
@@ -89,7 +96,7 @@ class CrcPool:
 
     def add(self, ds: Any, view: Any) -> None:
         """Checksum ``view`` (kept alive until :meth:`finish`) into ``ds.attrs["crc32"]``."""
-        self._pending.append((ds, self._ex.submit(zlib.crc32, view)))
+        self._pending.append((ds, self._ex.submit(crc32, view)))
 
     def finish(self) -> None:
         """Store every pending checksum; then the pool is closed."""
@@ -119,10 +126,10 @@ def put_dataset(group: Any, name: str, data: Any, crc: CrcPool | None = None) ->
         if crc is not None and arr.nbytes >= CrcPool.MIN_BYTES:
             crc.add(ds, view)
         else:
-            ds.attrs["crc32"] = zlib.crc32(view)
+            ds.attrs["crc32"] = crc32(view)
         return ds
     ds = group.create_dataset(name, data=data)
-    ds.attrs["crc32"] = zlib.crc32(_raw(ds[()]))
+    ds.attrs["crc32"] = crc32(_raw(ds[()]))
     return ds
 
 
@@ -150,7 +157,7 @@ def read_dataset(ds: Any) -> Any:
                            "it is not read (use another capture of this run)")
     val = ds[()]
     want = ds.attrs.get("crc32")
-    if want is not None and zlib.crc32(_raw(val)) != int(want):
+    if want is not None and crc32(_raw(val)) != int(want):
         raise CaptureError(f"{ds.file.filename}: dataset {ds.name} is corrupted (checksum mismatch); "
                            "the capture was altered after it was written: use another capture of this run")
     return val

@@ -5,6 +5,7 @@ captures assembled from an on-disk ring (:mod:`sentineld.daemon.ring_recovery`).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import itertools
 import os
@@ -42,7 +43,8 @@ def disk_full_error(exc: BaseException, where: Path) -> OSError | None:
 #: (a 96 MiB capture took 1.13 s that way against 0.50 s direct, torch.save 0.30 s;
 #: bench/capture_write.py), but a capture below this size never meets the h5py crash when the disk
 #: fills during the write, and the agent must never crash the training it watches: reliability
-#: first here, speed (issue 13's "no slower than torch.save") from 256 MiB on.
+#: first here, speed (issue 13's "no slower than torch.save") from 256 MiB on. Used only where
+#: the file system cannot reserve the file's space up front (:func:`_reserve`, the normal path).
 IN_MEMORY_MAX_BYTES = 256 << 20
 
 _mem_files = itertools.count()
@@ -59,6 +61,51 @@ def tree_bytes(tree: Any) -> int:
 
     map_tensors(tree, add)
     return total
+
+
+#: errnos of a file system that cannot reserve space (then the in-memory image is used).
+_NO_RESERVE = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+
+
+def _reserve(out: Any, need: int) -> bool:
+    """Reserve ``need`` bytes of disk for the open temp file ``out`` before any data is written.
+
+    Linux ``fallocate(FALLOC_FL_KEEP_SIZE)`` either reserves the whole estimate (the HDF5 writes
+    that follow cannot meet a full disk, so its state never breaks: the h5py crash
+    :data:`IN_MEMORY_MAX_BYTES` guards against needs ENOSPC *during* a write) or fails at once
+    with a clean ``OSError`` (ENOSPC; EFBIG under ``RLIMIT_FSIZE``) before anything is written
+    (issue 23: the in-memory image's two extra copies made a 96 MiB capture 2x torch.save +
+    fsync). KEEP_SIZE: the file stays empty, so HDF5 never reads back what it has not written
+    (the temp file is write-only); the blocks past the end are released by a truncate to the
+    final size.
+
+    Returns:
+        True when reserved; False where the system cannot reserve space (not Linux, a file
+        system without fallocate): the caller then writes another way.
+
+    Raises:
+        OSError: the disk has no room (or the file size limit is below ``need``).
+    """
+    fallocate = _libc_fallocate()
+    if fallocate is None:
+        return False
+    if fallocate(out.fileno(), 1, 0, need) != 0:      # 1 = FALLOC_FL_KEEP_SIZE
+        err = ctypes.get_errno()
+        if err in _NO_RESERVE:
+            return False
+        raise OSError(err, os.strerror(err))
+    return True
+
+
+def _libc_fallocate() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.fallocate64 if hasattr(libc, "fallocate64") else libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def write_h5_atomic(path: Path, fill: Any, estimate_bytes: int, *, durable: bool, what: str,
@@ -98,7 +145,15 @@ def write_h5_atomic(path: Path, fill: Any, estimate_bytes: int, *, durable: bool
         with contextlib.ExitStack() as stack:
             d = at or stack.enter_context(SafeDir.open(path.parent, follow=True))
             out = stack.enter_context(d.create(path.name, durable=durable))
-            if estimate_bytes <= IN_MEMORY_MAX_BYTES:
+            if _reserve(out, need):
+                # HDF5 writes into the reserved file directly (one copy of the data, as
+                # torch.save): no write can meet a full disk, no in-memory image needed
+                with h5py.File(out, "w") as f:
+                    fill(f)
+                out.seek(0, os.SEEK_END)
+                size = out.tell()
+                out.truncate(size)              # release the reserved blocks past the end
+            elif estimate_bytes <= IN_MEMORY_MAX_BYTES:
                 name = f"sentineld-mem-{os.getpid()}-{next(_mem_files)}.h5"  # never touches the disk
                 # One allocation of about the final size (the core driver grows by 64 KiB otherwise).
                 block = max(1 << 20, min(need, IN_MEMORY_MAX_BYTES + (1 << 20)))

@@ -11,6 +11,7 @@ bit for bit on CPU.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -18,7 +19,7 @@ import torch
 
 from sentineld.contracts.snapshot import load_into
 
-__all__ = ["Recipe", "train_step", "PHASES"]
+__all__ = ["Recipe", "train_step", "PHASES", "mark_phase"]
 
 #: Phases of one step, in order, as reported to ``on_phase``.
 PHASES = ("forward", "backward", "clip", "optimizer", "scheduler")
@@ -42,6 +43,10 @@ class Recipe:
         scale_accumulated: divide each micro-batch's loss by the number of micro-batches before
             backward (False: ``loss_fn`` already normalizes over the whole accumulated batch, as
             the Hugging Face Trainer's models do when given ``num_items_in_batch``).
+        manual: ``loss_fn`` runs the whole step itself: its backward passes and optimizer steps
+            (Lightning's manual optimization, a GAN's two optimizers); :func:`train_step` then only
+            zeroes the gradients and calls it, and ``loss_fn`` marks its phases with
+            :func:`mark_phase`.
     """
 
     model: torch.nn.Module
@@ -55,6 +60,7 @@ class Recipe:
     autocast_dtype: torch.dtype | None = None
     num_classes: int | None = None
     scale_accumulated: bool = True
+    manual: bool = False
 
     def __post_init__(self) -> None:
         if self.accumulation_steps < 1:
@@ -65,6 +71,15 @@ class Recipe:
     def load_state(self, state: dict[str, Any]) -> None:
         """Load a snapshot (:mod:`sentineld.contracts.snapshot`) into this recipe's objects."""
         load_into(state, self.model, self.optimizer, self.scheduler, self.scaler)
+
+
+_PHASE: contextvars.ContextVar[Callable[[str], None]] = contextvars.ContextVar(
+    "sentineld_phase", default=lambda _name: None)
+
+
+def mark_phase(name: str) -> None:
+    """Mark a phase (one of :data:`PHASES`) from inside the ``loss_fn`` of a ``manual`` recipe."""
+    _PHASE.get()(name)
 
 
 def _device_type(model: torch.nn.Module) -> str:
@@ -102,6 +117,18 @@ def train_step(recipe: Recipe, batch: Any, on_phase: Callable[[str], None] | Non
     else:
         micro = [batch]
     loss = torch.zeros(())
+    if recipe.manual:
+        token = _PHASE.set(phase)
+        try:
+            for mb in micro:
+                phase("forward")
+                ctx = (torch.autocast(_device_type(model), dtype=recipe.autocast_dtype)
+                       if recipe.autocast_dtype is not None else contextlib.nullcontext())
+                with ctx:
+                    loss = recipe.loss_fn(model, mb)
+        finally:
+            _PHASE.reset(token)
+        return loss.detach()  # its schedulers too are stepped by loss_fn, if at all
     for mb in micro:
         phase("forward")
         ctx = (torch.autocast(_device_type(model), dtype=recipe.autocast_dtype)

@@ -23,6 +23,8 @@ import re
 import shlex
 from typing import Any, Mapping
 
+from sentineld.contracts.render_cf import reproducibility_lines, spike_lines, spike_title, what_if_lines
+
 __all__ = ["FORMATS", "render_verdict", "format_body", "tensor_stats_text", "replay_command"]
 
 #: Output formats of :func:`format_body` (apprise's ``NotifyFormat`` values).
@@ -164,6 +166,8 @@ def render_verdict(report: Any, fmt: str = "text") -> tuple[str, str]:
         ValueError: ``fmt`` is not one of :data:`FORMATS`.
     """
     r: Mapping[str, Any] = _one_line_names(report if isinstance(report, Mapping) else _as_dict(report))
+    if r.get("kind") == "spike":
+        return _render_spike(r, fmt)
     step, phase = r.get("step", "?"), r.get("phase", "none")
     mtype, node = r.get("module_type"), r.get("autograd_node")
     ev: Mapping[str, Any] = r.get("evidence") or {}
@@ -185,14 +189,28 @@ def render_verdict(report: Any, fmt: str = "text") -> tuple[str, str]:
         *_evidence_lines(r),
         f"likely cause: {r.get('cause', '')}",
         f"fix: {r.get('fix', '')}",
+        *what_if_lines(r), *reproducibility_lines(r),
     ]
+    lines += _commands(r, step)
+    return _title(r), format_body("\n".join(lines) + "\n", fmt)
+
+
+def _render_spike(r: Mapping[str, Any], fmt: str) -> tuple[str, str]:
+    """A finite loss spike's verdict (``kind`` spike): :mod:`sentineld.contracts.render_cf`."""
+    lines = [*spike_lines(r), f"likely cause: {r.get('cause', '')}", f"fix: {r.get('fix', '')}",
+             *what_if_lines(r), *reproducibility_lines(r), *_commands(r, r.get("step", "?"))]
+    return spike_title(r), format_body("\n".join(lines) + "\n", fmt)
+
+
+def _commands(r: Mapping[str, Any], step: Any) -> list[str]:
+    lines: list[str] = []
     if r.get("capture"):  # captures live in the run directory; so does its report
         run_dir = os.path.dirname(str(r["capture"]))
         lines += [f"replay it: {replay_command(run_dir, r.get('requested_step', step))}",
                   f"report: sentineld report {shlex.quote(run_dir)}",
                   f"  writes {os.path.join(run_dir, 'report.html')}",
                   f"regression test: sentineld regress {shlex.quote(run_dir)}"]
-    return _title(r), format_body("\n".join(lines) + "\n", fmt)
+    return lines
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f\u2028\u2029]")

@@ -198,7 +198,7 @@ class SafeDir:
         self._check_target(name, replace)
         stem, dot, ext = name[:180].partition(".")
         tmp = f"{stem}.{secrets.token_hex(16)}{dot}{ext}.tmp"  # capture-...h5 -> capture-....<hex>.h5.tmp
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600, dir_fd=self.fd)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600, dir_fd=self.fd)
         try:
             with os.fdopen(fd, "w+b") as f:
                 yield f

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-__all__ = ["NONFINITE", "CRASH", "MANUAL", "REGRESS", "TRIGGERS"]
+__all__ = ["NONFINITE", "CRASH", "MANUAL", "REGRESS", "SPIKE", "TRIGGERS"]
 
 #: A non-finite step (the agent's incident policy).
 NONFINITE = "nonfinite"
@@ -14,4 +14,7 @@ MANUAL = "manual"
 #: A regression fixture trimmed from a capture by ``sentineld regress`` (outside any run dir).
 REGRESS = "regress"
 
-TRIGGERS = (NONFINITE, CRASH, MANUAL, REGRESS)
+#: A finite loss spike (``loss_spike``, :mod:`sentineld.signatures.spike`): the replay explains it.
+SPIKE = "spike"
+
+TRIGGERS = (NONFINITE, CRASH, MANUAL, REGRESS, SPIKE)

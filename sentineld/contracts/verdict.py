@@ -26,6 +26,17 @@ fault) and ``loss_tolerance`` (largest accepted |rebuilt - recorded| loss; 0 = b
 ``precision``, ``torch_flags``; a verdict of the training process itself (``attach(loss_fn=)``,
 :mod:`sentineld.contracts.verdict_file`) adds ``in_process`` (``mode``, ``memory_bytes``, ``wall_s``),
 and a forward-only one ``not_checked`` (phases it could not check) and ``how_to_enable``.
+
+Counterfactual fields (replay/counterfactual.py, one engine): ``kind`` (``nonfinite`` | ``spike``,
+:data:`VERDICT_KINDS`); a spike verdict has ``cause_class`` ``data`` | ``state`` | ``interaction``
+| ``not_reproduced``, ``samples`` (indices in the step's batch, most responsible first),
+``module`` (or null) and ``evidence.losses`` (the 2x2: ``this_state_this_batch``,
+``earlier_state_this_batch``, ``this_state_neighbour_batch``, ``earlier_state_neighbour_batch``),
+``evidence.per_sample`` (data) or ``evidence.state`` (the module's update ratio and the quantity:
+``lr`` | ``second_moment`` | ``grad_norm``); with ``--what-if``, ``what_if`` (rows
+``{"change", "finite", "steps_checked", "loss", "loss_distance", "wall_s"}``, finite first, then
+least change) and ``reproducibility`` (``{"class", "repeats", "identical", "ruled_out", ...}``,
+:data:`REPRODUCIBILITY_CLASSES`).
 """
 
 from __future__ import annotations
@@ -35,12 +46,14 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["REPORT_SCHEMA_VERSION", "CAUSE_CLASSES", "OUTSIDE_MODEL", "Report", "report_problems",
+__all__ = ["REPORT_SCHEMA_VERSION", "CAUSE_CLASSES", "VERDICT_KINDS", "REPRODUCIBILITY_CLASSES",
+           "OUTSIDE_MODEL", "Report", "report_problems",
            "render_text", "notification_text"]
 
 #: 2: ``where`` and ``cause_class`` added; ``module`` is null outside the model (was ``"loss"`` /
 #: ``"lr_scheduler"``); a backward ``op`` is the forward op (was the derivative's primitive).
-REPORT_SCHEMA_VERSION = 2
+#: 3: ``kind``, ``samples``, ``what_if``, ``reproducibility`` added (a spike verdict; what-if rows).
+REPORT_SCHEMA_VERSION = 3
 
 #: ``where`` of a value made outside every module of the model (the recipe's loss function).
 OUTSIDE_MODEL = "loss function, outside the model"
@@ -71,6 +84,23 @@ CAUSE_CLASSES: dict[str, str] = {
     "not_checked": "the phase that went wrong was not checked (forward-only)",
     "finite": "every value was finite",
     "nondeterministic": "the run was non-finite here but the replay is not (non-deterministic step)",
+    # a finite loss spike (``kind`` spike, replay/spike.py): the 2x2 of batch and state
+    "data": "the step's batch spikes on an earlier state too (named samples)",
+    "state": "the state before the step spikes on another batch too (named module and quantity)",
+    "interaction": "only this batch on this state spikes",
+    "not_reproduced": "the spike does not reproduce from the captured state",
+}
+
+#: ``kind`` of a verdict: a non-finite value's origin, or a finite loss spike's cause.
+VERDICT_KINDS = ("nonfinite", "spike")
+
+#: ``reproducibility.class`` (replay/reproducibility.py).
+REPRODUCIBILITY_CLASSES: dict[str, str] = {
+    "software": "reproduces from the captured state in eager float64 too: the code or config",
+    "precision": "finite in float64 (or float32 for a half-precision run): a range or rounding fault",
+    "compiler": "only the compiled run fails; eager re-execution of the same state is finite",
+    "transient": "repeats differ, or the captured state and RNG do not reproduce it: hardware or a "
+                 "source outside the capture",
 }
 
 
@@ -103,6 +133,10 @@ class Report:
     localize_s: float = 0.0
     ranks: list[int] = field(default_factory=list)
     loss_tolerance: float = 0.0
+    kind: str = "nonfinite"
+    samples: list[int] = field(default_factory=list)
+    what_if: list[dict[str, Any]] = field(default_factory=list)
+    reproducibility: dict[str, Any] | None = None
     schema_version: int = REPORT_SCHEMA_VERSION
 
     def to_json(self) -> str:

@@ -61,6 +61,11 @@ class DaemonConfig:
         replay: run a replay for each new capture.
         replay_timeout_s: seconds before a replay subprocess is killed (reported as timeout).
         replay_memory_bytes: address-space limit of the replay subprocess (RLIMIT_AS); 0 = none.
+        what_if: the replay also re-runs the step under candidate fixes and classifies the
+            fault (``--what-if``: the verdict's ``what_if`` and ``reproducibility``). Off by
+            default: it costs a few more re-executions of the captured steps than the replay
+            itself (per candidate about one replay of the steps after the fault; figures in
+            docs/whatif.md).
         metrics_port: the daemon's own Prometheus port (9490); 0 = off; -1 = any free port.
         metrics_addr: bind address of that port.
         poll_s: seconds between rescans of the runs dir (file events wake it sooner).
@@ -82,6 +87,7 @@ class DaemonConfig:
     replay: bool = True
     replay_timeout_s: float = 600.0
     replay_memory_bytes: int = 16 << 30
+    what_if: bool = False
     metrics_port: int = 9490
     metrics_addr: str = "127.0.0.1"
     poll_s: float = 1.0

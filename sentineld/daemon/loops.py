@@ -161,7 +161,7 @@ class ReplayThread(LoopThread):
             try:
                 outcome = run_replay_subprocess(rw.meta, rw.run_dir, cap, timeout_s=self.cfg.replay_timeout_s,
                                                 memory_bytes=self.cfg.replay_memory_bytes,
-                                                scratch_dir=self.scratch)
+                                                scratch_dir=self.scratch, what_if=self.cfg.what_if)
             except OSError as exc:  # the interpreter vanished, no fds left, ...
                 outcome = ReplayOutcome("failed", None, f"cannot start the replay: {exc}", 0.0, None)
             if self.stop_event.is_set() and outcome.result in ("failed", "timeout"):

@@ -120,7 +120,8 @@ def is_verdict(report: Any, run_id: str) -> bool:
 
 
 def run_replay_subprocess(meta: RunMeta, run_dir: Path, capture: Path, *, timeout_s: float,
-                          memory_bytes: int, scratch_dir: Path | None = None) -> ReplayOutcome:
+                          memory_bytes: int, scratch_dir: Path | None = None,
+                          what_if: bool = False) -> ReplayOutcome:
     """Run ``python -I -m sentineld.replay RUN --capture CAP --json`` and classify the outcome.
 
     The interpreter is the run's own (``meta.python``) when it exists on this host, else this
@@ -132,6 +133,7 @@ def run_replay_subprocess(meta: RunMeta, run_dir: Path, capture: Path, *, timeou
         memory_bytes: ``RLIMIT_AS`` of the replay in bytes; 0 = none. A replay that exceeds it
             fails with a reason naming the limit.
         scratch_dir: where its output files go (deleted after); default the system temp dir.
+        what_if: pass ``--what-if`` (candidate fixes and the reproducibility class).
     """
     python, why_not = refusal(meta, run_dir, capture)
     if why_not:
@@ -140,6 +142,8 @@ def run_replay_subprocess(meta: RunMeta, run_dir: Path, capture: Path, *, timeou
     # -I: the working directory (another user may write there) is not on sys.path, nor is
     # $PYTHONPATH; the replay adds the working directory itself, behind its import guard.
     cmd = [python, "-I", "-m", "sentineld.replay", str(run_dir), "--capture", str(capture), "--json"]
+    if what_if:
+        cmd.append("--what-if")
     env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
     env["PYTHONUNBUFFERED"] = "1"
     # -I drops $PYTHONPATH; the daemon's own (its user's choice, not the run's) is handed over
@@ -185,7 +189,9 @@ def run_replay_subprocess(meta: RunMeta, run_dir: Path, capture: Path, *, timeou
         elif proc.returncode is not None and proc.returncode < 0:
             why = f"killed by signal {-proc.returncode} (memory limit {limit}): {why}"
         return ReplayOutcome("failed", None, why[-1500:], elapsed, proc.returncode)
-    if not report.get("reproduced", False):
+    if report.get("kind") == "spike":  # a finite loss spike's verdict names a cause, not a phase
+        result = "not_reproduced" if report.get("cause_class") == "not_reproduced" else "localized"
+    elif not report.get("reproduced", False):
         result = "not_reproduced"
     elif report.get("phase") == "none":
         result = "not_localized"

@@ -7,9 +7,13 @@
     trainer.fit(model, datamodule)
 
 What the callback takes from the trainer: the LightningModule, its (first) optimizer and that
-optimizer's LR scheduler, the GradScaler of ``precision="16-mixed"``, ``accumulate_grad_batches``,
-``gradient_clip_val``, the global step (step numbers in the stream are Lightning's
-``global_step``) and, under DDP, one run id for all ranks (broadcast from rank 0).
+optimizer's LR scheduler (under manual optimization every optimizer, as one
+:class:`~.lightning_state.JointOptimizer`), the GradScaler of ``precision="16-mixed"``,
+``accumulate_grad_batches``, ``gradient_clip_val``, the global step (step numbers in the stream
+are Lightning's ``global_step`` as ``training_step`` reads it) and, under DDP, one run id for all
+ranks (broadcast from rank 0). Unless told ``localize="off"`` (or under DDP or manual
+optimization) the training process localizes its own incidents with ``training_step`` as the
+loss (:class:`~.lightning_replay.LiveStepLoss`); the daemon replays only if that fails.
 
 Where it hooks in, and why there:
 
@@ -19,9 +23,11 @@ Where it hooks in, and why there:
 - ``training_step`` is wrapped on the instance (restored at teardown) to keep its raw loss:
   Lightning divides ``outputs["loss"]`` by ``accumulate_grad_batches`` before the callbacks see
   it, and the replay compares the raw loss bit for bit.
-- ``on_before_optimizer_step``: the global grad norm. Lightning runs the closure (forward and
-  backward) inside ``optimizer.step``, after the optimizer's step pre-hooks, so the agent's own
-  pre-hook would see the previous step's gradients.
+- ``on_before_optimizer_step``: the global grad norm, before Lightning clips. Lightning runs the
+  closure (forward and backward) inside ``optimizer.step``, after the optimizer's step
+  pre-hooks, so the agent's own pre-hook would see the previous step's gradients (under
+  ``16-mixed`` it runs after the clip: with clipping this value is kept, and ``clipped``
+  recorded).
 - ``on_train_batch_end`` of the batch that advanced ``global_step``: the step record, with the
   list of micro-batches when accumulating.
 - ``on_exception``: the crash capture.
@@ -29,7 +35,8 @@ Where it hooks in, and why there:
 The replay needs no user code when the module called ``save_hyperparameters()``: ``run.json``
 names :func:`sentineld.integrations.lightning_replay.recipe_from_run` with the module's class
 path and hyperparameters (see that module). Each recorded batch is
-``{"batch": <the batch>, "batch_idx": <int>}``: what ``training_step`` takes.
+``{"batch": <the batch>, "batch_idx": <int>, "global_step": <int>, "current_epoch": <int>}``: what
+``training_step`` takes, and the trainer state it reads.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from typing import Any
 
 from ._common import check_attach_kwargs, json_or_error, log
 from .codeload import class_ref
+from .lightning_state import micro_state, trainer_settings
 
 __all__ = ["SentineldCallback", "RECIPE"]
 
@@ -85,6 +93,7 @@ def replay_args(trainer: Any, pl_module: Any) -> dict[str, Any]:
             "gradient_clip_val": None if clip is None else float(clip),
             "gradient_clip_algorithm": str(getattr(algo, "value", algo) or "norm"),
             "automatic_optimization": bool(pl_module.automatic_optimization),
+            "trainer": trainer_settings(trainer),
             "device": str(pl_module.device), "cwd": os.getcwd()}
 
 
@@ -115,19 +124,26 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
         self._k = 1
         self._module: Any = None
         self._warned = False
+        self._clip: float | None = None
+        self._manual = False
+        self._backward: Any = None
 
     # ------------------------------------------------------------------ attach
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         from sentineld.agent import attach  # noqa: PLC0415
         from sentineld.agent.runinfo import default_run_id  # noqa: PLC0415
 
+        from .lightning_state import JointOptimizer  # noqa: PLC0415
+
         opts = list(trainer.optimizers)
         if not opts:
             log.warning("sentineld: the trainer has no optimizer; nothing to watch")
             return
-        if len(opts) > 1:
+        self._manual = not pl_module.automatic_optimization
+        if len(opts) > 1 and not self._manual:
             log.warning("sentineld: %d optimizers; watching the first only", len(opts))
-        opt = opts[0]
+        # Manual optimization steps every optimizer in training_step: one snapshot holds them all.
+        opt = JointOptimizer(opts) if self._manual and len(opts) > 1 else opts[0]
         kw = dict(self.attach_kwargs)
         kw["scheduler"] = next((c.scheduler for c in trainer.lr_scheduler_configs
                                 if getattr(c.scheduler, "optimizer", None) is opt), None)
@@ -135,7 +151,7 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
         self._k = kw["accumulation_steps"] = max(1, int(trainer.accumulate_grad_batches))
         clip, algo = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
         norm_clip = clip and str(getattr(algo, "value", algo) or "norm") == "norm"
-        kw["clip_grad_norm"] = float(clip) if norm_clip else None  # for in-process localization
+        kw["clip_grad_norm"] = self._clip = float(clip) if norm_clip else None  # in-process replay too
         if "recipe" not in kw:
             try:
                 kw["recipe_args"] = replay_args(trainer, pl_module)
@@ -144,6 +160,14 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
             except Exception as exc:  # noqa: BLE001 - never stop the fit for what the replay needs
                 log.warning("sentineld: cannot record how to rebuild %s (%r); the replay will need "
                             "--recipe", type(pl_module).__name__, exc)
+        if ("loss_fn" not in kw and "recipe" in kw and kw.get("localize") != "off" and not self._manual
+                and trainer.world_size == 1):  # a DDP step is the daemon's (every rank's capture)
+            # The training process localizes its own incidents (seconds, no framework import in a
+            # subprocess); the daemon replays with the recipe only if that fails.
+            from .lightning_replay import LiveStepLoss  # noqa: PLC0415
+
+            kw["loss_fn"] = LiveStepLoss(trainer_settings(trainer), str(trainer.precision),
+                                         pl_module.device.type)
         if "run_id" not in kw and trainer.world_size > 1:
             kw["run_id"] = trainer.strategy.broadcast(default_run_id(), src=0)
         self.watch = attach(pl_module, opt, **kw)
@@ -156,11 +180,24 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
 
         @functools.wraps(original)  # __wrapped__: Lightning's is_overridden still sees the user's
         def training_step(*args: Any, **kwargs: Any) -> Any:
+            self._backward = None
             out = original(*args, **kwargs)
-            self._loss = _raw_loss(out)
+            loss = _raw_loss(out)
+            # Manual optimization often returns nothing: the step's loss is then the last one
+            # given to manual_backward (the replay takes the same one).
+            self._loss = loss if loss is not None or not self._manual else self._backward
             return out
 
         pl_module.training_step = training_step
+        if self._manual:
+            backward = pl_module.manual_backward
+
+            @functools.wraps(backward)
+            def manual_backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
+                self._backward = loss.detach() if hasattr(loss, "detach") else None
+                return backward(loss, *args, **kwargs)
+
+            pl_module.manual_backward = manual_backward
         self._module = pl_module
 
     # ------------------------------------------------------------------- steps
@@ -170,20 +207,26 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
             return
         if not self._micro:
             w.begin_step()  # the step starts here: snapshot + RNG (see module doc)
-        self._micro.append({"batch": batch, "batch_idx": int(batch_idx)})
+        # With the trainer state training_step reads (the replay gives it back: lightning_state).
+        self._micro.append({"batch": batch, "batch_idx": int(batch_idx), **micro_state(trainer)})
         self._gs0 = trainer.global_step
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         w = self.watch
-        if w is not None and w.enabled and optimizer is w.optimizer:
-            w.grads_ready()  # fresh gradients, before clipping
+        if w is not None and w.enabled and (optimizer is w.optimizer
+                                            or optimizer in getattr(w.optimizer, "optimizers", ())):
+            # Fresh gradients, before clipping: with clipping the value is kept for the step
+            # (under 16-mixed the optimizer's pre-hook runs after the clip) and `clipped` recorded.
+            w.grads_ready(clip_max=self._clip if pl_module.automatic_optimization else None)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         w = self.watch
         if w is None or not w.enabled:
             return
-        if trainer.global_step == self._gs0:  # still accumulating
+        if self._manual:  # every training_step is one step (it steps its optimizers itself)
+            self._micro = self._micro[-1:]
+        elif trainer.global_step == self._gs0:  # still accumulating
             self._micro = self._micro[-self._k:]
             return
         micro, self._micro = self._micro, []
@@ -216,6 +259,7 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
     def _restore(self) -> None:
         if self._module is not None:
             self._module.__dict__.pop("training_step", None)
+            self._module.__dict__.pop("manual_backward", None)
             self._module = None
 
 

@@ -14,6 +14,15 @@ before the LR scheduler steps and gradients are zeroed). Accumulation comes from
 ``gradient_accumulation_steps``, clipping from ``max_grad_norm``, precision from ``bf16``/``fp16``
 (and the accelerator's GradScaler), optimizer and scheduler from inside accelerate's wrappers.
 
+Step numbers are the Trainer's ``state.global_step`` once the step is done: the first step is 1,
+the 31st is 31, as in the Trainer's logs and ``checkpoint-31``. The grad norm recorded is the one
+before clipping: with ``max_grad_norm > 0`` (1.0 by default) the Trainer's own clip is wrapped on
+the instance and its return value (the pre-clip norm, after unscaling) recorded, because the
+optimizer's pre-hook, the agent's usual point, runs after the clip; each record says ``clipped``.
+The training process localizes its own incidents with ``model(**batch).loss`` (not under DDP, not
+for a model that normalizes its loss over an accumulated batch, and not with ``localize="off"``:
+the daemon's replay does those).
+
 The Trainer's ``logging_nan_inf_filter`` (on by default) logs a NaN loss as the running average
 and trains on; the agent reads the model's own loss, so its alert fires at the first non-finite
 step regardless.
@@ -27,6 +36,7 @@ a loss the model does not return: the run records that and the replay says to pa
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -146,6 +156,7 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
         self._k = 1
         self._hooks: list[Any] = []
         self._warned: set[str] = set()
+        self._trainer: Any = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                        optimizer: Any = None, lr_scheduler: Any = None, **kwargs: Any) -> None:
@@ -175,10 +186,47 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
                 log.warning("sentineld: %s; the replay cannot rebuild this loss from the model. "
                             "Pass recipe= (or loss_fn=) to SentineldCallback",
                             kw["recipe_args"]["custom_loss"])
+        ra = kw.get("recipe_args") if kw.get("recipe") == RECIPE else None
+        if (isinstance(ra, dict) and "loss_fn" not in kw and kw.get("localize") != "off"
+                and not ra.get("custom_loss") and not (self._k > 1 and ra.get("loss_normalized"))
+                and int(getattr(args, "world_size", 1)) == 1):
+            # The training process localizes its own incidents with the model's own loss (a
+            # loss normalized over the accumulated batch is left to the daemon's replay, whose
+            # recipe does not divide it).
+            from .transformers_replay import model_loss  # noqa: PLC0415
+
+            kw["loss_fn"] = model_loss
         self.watch = attach(model, opt, **kw)
-        self.watch.start_at(int(state.global_step))  # the Trainer's global_step numbers the steps
+        # Steps are numbered as the Trainer numbers them: its global_step once the step is done
+        # (the 31st step is 31 in its logs and in checkpoint-31).
+        self.watch.start_at(int(state.global_step) + 1)
         self._hooks = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True),
                        model.register_forward_hook(self._on_output)]
+        if clip > 0:
+            self._wrap_clip(trainer, clip)
+
+    def _wrap_clip(self, trainer: Any, clip: float) -> None:
+        """Record the Trainer's own pre-clip norm: its clip returns it, and the optimizer's
+        pre-hook (the agent's usual point) runs after the clip, on clipped gradients."""
+        original = getattr(trainer, "_clip_grad_norm", None)
+        if original is None:
+            log.warning("sentineld: this Trainer has no _clip_grad_norm; the recorded grad norm is "
+                        "the clipped one (max_grad_norm=%g)", clip)
+            return
+
+        @functools.wraps(original)
+        def clip_grad_norm(model: Any) -> Any:
+            norm = original(model)
+            w = self.watch
+            if w is not None and norm is not None:
+                import torch  # noqa: PLC0415
+
+                w.grads_ready(norm if isinstance(norm, torch.Tensor) else torch.tensor(float(norm)),
+                              clip_max=clip)
+            return norm
+
+        trainer._clip_grad_norm = clip_grad_norm
+        self._trainer = trainer
 
     def _on_forward(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         import torch  # noqa: PLC0415
@@ -216,5 +264,8 @@ class SentineldCallback(_Base):  # type: ignore[misc,valid-type]
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._trainer is not None:
+            self._trainer.__dict__.pop("_clip_grad_norm", None)
+            self._trainer = None
         if self.watch is not None:
             self.watch.close(reason)

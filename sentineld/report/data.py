@@ -217,7 +217,8 @@ def alert_markers(notes: Iterable[Notification]) -> list[Marker]:
 
 def capture_markers(captures: Iterable[tuple[int, int, str, Any]], rank: int) -> list[Marker]:
     """A marker per capture of ``rank`` (``(rank, step, trigger, path)`` as from ``list_captures``)."""
-    return [Marker(step, "capture", f"capture ({trigger})", "critical" if trigger == "nonfinite" else "")
+    return [Marker(step, "spike" if trigger == "spike" else "capture", f"capture ({trigger})",
+                   "critical" if trigger == "nonfinite" else "")
             for r, step, trigger, _p in captures if r == rank]
 
 

@@ -27,7 +27,8 @@ __all__ = ["curves_svg", "heatmap_svg", "hists_svg", "timeline_svg", "replay_los
 
 _STYLE: dict[str, dict[str, Any]] = {"capture": dict(color="#d62728", ls="-", lw=1.2),
                                      "alert": dict(color="#ff7f0e", ls="--", lw=1.0),
-                                     "verdict": dict(color="#9467bd", ls=":", lw=1.4)}
+                                     "verdict": dict(color="#9467bd", ls=":", lw=1.4),
+                                     "spike": dict(color="#2ca02c", ls="-.", lw=1.4)}
 
 
 def _svg(fig: plt.Figure, name: str) -> str:
@@ -43,8 +44,9 @@ def _svg(fig: plt.Figure, name: str) -> str:
 def _markers(ax: plt.Axes, markers: Sequence[Marker], labelled: set[str]) -> None:
     for m in markers:
         style = _STYLE.get(m.kind, _STYLE["alert"])
-        label = None if m.kind in labelled else {"capture": "capture (incident)", "alert": "alert",
-                                                 "verdict": "replay verdict"}.get(m.kind, m.kind)
+        label = None if m.kind in labelled else {
+            "capture": "capture (incident)", "alert": "alert", "verdict": "replay verdict",
+            "spike": "loss spike (capture)"}.get(m.kind, m.kind)
         labelled.add(m.kind)
         ax.axvline(m.step, label=label, **style)
 

@@ -17,6 +17,7 @@ from typing import Any
 from sentineld.contracts.render import tensor_stats_text
 
 from . import figures as f
+from .counterfactual import spike_head, spike_rows, what_if_html
 from .data import ReportData, alert_rows
 
 __all__ = ["render_html", "PLOT_IDS"]
@@ -140,8 +141,11 @@ def _verdict(r: ReportData, plots: list[str]) -> str:
             if v.get("phase") == "none" and forward_only
             else f"step {v.get('step')}: every value finite" if v.get("phase") == "none"
             else f"step {v.get('step')}: first non-finite value made{where}{op}")
+    if v.get("kind") == "spike":
+        head = spike_head(v)
     out.append(f'<p class="verdict">{escape(head)}</p>')
-    rows = [("reproduced", f"{v.get('reproduced')} (max loss deviation {_fmt(v.get('max_loss_deviation'))} "
+    rows = [*(spike_rows(v) if v.get("kind") == "spike" else []),
+            ("reproduced", f"{v.get('reproduced')} (max loss deviation {_fmt(v.get('max_loss_deviation'))} "
                            f"over {v.get('steps_rebuilt')} rebuilt steps)"),
             ("parameters", ", ".join(v.get("parameters") or []) or "-")]
     ev0 = v.get("evidence") or {}
@@ -154,6 +158,7 @@ def _verdict(r: ReportData, plots: list[str]) -> str:
     rows += [("likely cause", v.get("cause", "")), ("fix", v.get("fix", ""))]
     out.append("<table>" + "".join(f"<tr><td>{escape(k)}</td><td>{escape(str(x))}</td></tr>" for k, x in rows)
                + "</table>")
+    out.append(what_if_html(v))
     ev = v.get("evidence") or {}
     rebuilt = {int(k): _float(x) for k, x in (ev.get("rebuilt_losses") or {}).items()}
     # Recorded losses from the run's own stream (the verdict holds only the offending step's).

@@ -42,6 +42,7 @@ from .loss import (
 from .numerics import LossScaleConfig, NonfiniteConfig, detect_loss_scale_collapse, detect_nonfinite
 from .resolve import shown_resolved, unresolved
 from .signature_config import SignatureConfig, run_signature_config
+from .spike import LossSpikeConfig, SpikeTracker, detect_loss_spike
 from .updates import NotAppliedConfig, UpdateRatioConfig, detect_gradients_not_applied, detect_update_ratio
 from .zero_grad import ZeroGradConfig, detect_forgotten_zero_grad
 
@@ -57,4 +58,5 @@ __all__ = [
     "detect_exploding_gradients", "detect_vanishing_gradients", "detect_missing_gradients",
     "detect_forgotten_zero_grad", "detect_gradients_not_applied", "detect_update_ratio",
     "detect_dead_relu", "detect_saturated_activation", "detect_stalled",
+    "LossSpikeConfig", "SpikeTracker", "detect_loss_spike",
 ]

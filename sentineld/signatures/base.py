@@ -34,6 +34,7 @@ SIGNATURES: Mapping[str, Severity] = {
     "nonfinite": "critical",
     "divergence_spike": "critical",
     "divergence_growth": "critical",
+    "loss_spike": "warning",
     "exploding_gradients": "critical",
     "vanishing_gradients": "warning",
     "dead_relu": "warning",
@@ -174,14 +175,18 @@ def trailing(records: Sequence[StepRecord]) -> Iterator[StepRecord]:
 
 def sampled_layers(records: Sequence[StepRecord], count: int
                    ) -> list[tuple[StepRecord, Mapping[str, LayerStats]]]:
-    """The last ``count`` records that carry per-layer stats and whose optimizer step ran,
-    oldest first. Scans back only as far as needed."""
+    """The last ``count`` records that carry per-layer norms and whose optimizer step ran,
+    oldest first. Scans back only as far as needed. A record whose layers hold activation
+    figures only (the agent's activation-only samples, ``agent/probes.py`` ``full_at``) is no
+    sample of per-layer norms and is passed over."""
     out: list[tuple[StepRecord, Mapping[str, LayerStats]]] = []
     if count <= 0:
         return out
     for r in trailing(records):
         layers = getattr(r, "layers", None)
         if not layers or not isinstance(layers, Mapping) or getattr(r, "optimizer_skipped", False):
+            continue
+        if not any(getattr(st, "param_norm", None) is not None for st in layers.values()):
             continue
         out.append((r, layers))
         if len(out) == count:

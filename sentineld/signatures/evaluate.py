@@ -27,6 +27,7 @@ from .loss import (
 )
 from .numerics import detect_loss_scale_collapse, detect_nonfinite
 from .signature_config import SignatureConfig
+from .spike import detect_loss_spike
 from .updates import detect_gradients_not_applied, detect_update_ratio
 from .zero_grad import detect_forgotten_zero_grad
 
@@ -62,6 +63,7 @@ def evaluate(records: Sequence[StepRecord] | Iterable[StepRecord],
         lambda: detect_loss_scale_collapse(records, cfg.loss_scale_collapse),
         lambda: detect_divergence_spike(records, cfg.divergence_spike, num_classes),
         lambda: detect_divergence_growth(records, cfg.divergence_growth, num_classes),
+        lambda: detect_loss_spike(records, cfg.loss_spike),
         lambda: detect_exploding_gradients(records, cfg.exploding_gradients, num_classes),
         lambda: detect_gradients_not_applied(records, cfg.gradients_not_applied,
                                                      num_classes),

@@ -24,6 +24,7 @@ from .gradients import ExplodingConfig, MissingGradientsConfig, VanishingConfig
 from .liveness import StalledConfig
 from .loss import InitialLossConfig, OscillationConfig, PlateauConfig
 from .numerics import LossScaleConfig, NonfiniteConfig
+from .spike import LossSpikeConfig
 from .updates import NotAppliedConfig, UpdateRatioConfig
 from .zero_grad import ZeroGradConfig
 
@@ -37,6 +38,7 @@ class SignatureConfig:
     nonfinite: NonfiniteConfig = field(default_factory=NonfiniteConfig)
     divergence_spike: DivergenceSpikeConfig = field(default_factory=DivergenceSpikeConfig)
     divergence_growth: DivergenceGrowthConfig = field(default_factory=DivergenceGrowthConfig)
+    loss_spike: LossSpikeConfig = field(default_factory=LossSpikeConfig)
     exploding_gradients: ExplodingConfig = field(default_factory=ExplodingConfig)
     vanishing_gradients: VanishingConfig = field(default_factory=VanishingConfig)
     dead_relu: DeadReluConfig = field(default_factory=DeadReluConfig)

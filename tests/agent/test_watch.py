@@ -247,7 +247,11 @@ def test_sampled_steps_carry_per_layer_stats_and_export_them(tmp_path):
     sampled = [r["step"] for r in recs if r.get("layers")]
     # every step of the dense head (16), then gaps 1, 2, 4, then every 5 (probes.sampled_at)
     assert sampled == [*range(32), *range(32, 64, 2), *range(64, 128, 4), 130, 135]
-    stats = recs[5]["layers"]
+    stats = recs[8]["layers"]     # a full sample (probes.full_at): norms and activations
     assert stats["0"]["grad_norm"] > 0 and 0 <= stats["1"]["dead_fraction"] <= 1
+    # the dense head's other steps measure the activations only (no norms, no parameter copy)
+    assert set(recs[3]["layers"]) == {"1"} and 0 <= recs[3]["layers"]["1"]["dead_fraction"] <= 1
+    # full in the head: 0, 1, 2, 4, 8 and the steady cadence (every 5)
+    assert [r["step"] for r in recs if r.get("layers") and "0" in r["layers"]][:9] == [0, 1, 2, 4, 5, 8, 10, 15, 16]
     host = socket.gethostname()
     assert f'sentineld_layer_grad_norm{{host="{host}",module="0",rank="0",run="layers"}}' in body

@@ -27,7 +27,7 @@ def _outside() -> Report:
 def test_a_null_module_verdict_is_valid_and_says_where() -> None:
     r = _outside()
     obj = json.loads(r.to_json())
-    assert obj["schema_version"] == REPORT_SCHEMA_VERSION == 2
+    assert obj["schema_version"] == REPORT_SCHEMA_VERSION == 3
     assert report_problems(obj) == []
     text = render_text(r)
     assert "went non-finite in backward, in the loss function, outside the model" in text.splitlines()[0]

@@ -15,17 +15,19 @@ from .helpers import HF_TRAIN, first_nonfinite_step, replay, stream, train, verd
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-FAULT_STEP = 3
+FAULT_STEP = 3  # hf_train.py's: the fault is in the 4th optimizer step
+#: Its step number: the Trainer's global_step once the step is done (as in its logs, checkpoint-4).
+STEP = FAULT_STEP + 1
 CASES = {
-    "data": ("data:1", (FAULT_STEP, "data", None, None, None, True)),
-    "forward-accum2": ("forward:2", (FAULT_STEP, "forward", "bert.embeddings.LayerNorm", "LayerNorm",
+    "data": ("data:1", (STEP, "data", None, None, None, True)),
+    "forward-accum2": ("forward:2", (STEP, "forward", "bert.embeddings.LayerNorm", "LayerNorm",
                                      "aten.native_layer_norm", True)),
-    "loss-accum2-bf16": ("loss:2:bf16", (FAULT_STEP, "forward", None, "CrossEntropyLoss",
+    "loss-accum2-bf16": ("loss:2:bf16", (STEP, "forward", None, "CrossEntropyLoss",
                                          "aten.nll_loss_forward", True)),
     # The model class is the script's own (__main__), loaded from the script by the replay.
-    "backward-accum2-script": ("backward:2", (FAULT_STEP, "backward", "root", "Root", "aten.sqrt", True)),
+    "backward-accum2-script": ("backward:2", (STEP, "backward", "root", "Root", "aten.sqrt", True)),
     # adam_epsilon=0: the parameters whose gradient is exactly 0 get 0/0 at the first step.
-    "optimizer": ("optimizer:1", (0, "optimizer", None, "AdamW",
+    "optimizer": ("optimizer:1", (1, "optimizer", None, "AdamW",
                                   "aten._fused_adamw_", True)),
 }
 
@@ -55,12 +57,13 @@ def test_planted_fault_is_named_by_the_replay(runs: Path, run_id: str) -> None:
 @pytest.mark.slow
 def test_the_alert_step_is_the_first_nan_although_the_trainer_logs_a_finite_loss(runs: Path) -> None:
     run = runs / "data"
-    assert first_nonfinite_step(run) == FAULT_STEP
+    assert first_nonfinite_step(run) == STEP
     # logging_nan_inf_filter: the Trainer's own log shows a finite loss at that step.
     logged = [e for e in json.loads((runs / "data.trainer-log.json").read_text()) if "loss" in e]
     assert len(logged) == FAULT_STEP + 3
     assert all(math.isfinite(float(e["loss"])) for e in logged)
-    assert (run / f"capture-rank0-step{FAULT_STEP:09d}-nonfinite.h5").exists()
+    assert (run / f"capture-rank0-step{STEP:09d}-nonfinite.h5").exists()
+    assert [int(e["step"]) for e in logged] == [r["step"] for r in stream(run) if r.get("kind") == "step"]
 
 
 @pytest.mark.slow
@@ -80,7 +83,7 @@ def test_run_json_holds_config_optimizer_and_scheduler(runs: Path) -> None:
     # BERT takes **kwargs: the Trainer passes num_items_in_batch and does not divide by 2.
     assert args["loss_normalized"] is True
     steps = [r for r in stream(runs / "loss-accum2-bf16") if r.get("kind") == "step"]
-    assert [r["step"] for r in steps] == list(range(FAULT_STEP + 3))
+    assert [r["step"] for r in steps] == list(range(1, FAULT_STEP + 4))
 
 
 @pytest.mark.slow

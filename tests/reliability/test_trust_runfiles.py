@@ -330,7 +330,7 @@ def test_the_daemon_refuses_a_runs_dir_it_cannot_trust(mallory, shared, tmp_path
 
 # ------------------------------------------------------------------ item 10: state files
 @pytest.mark.parametrize("damage", ["deep", "fifo"])
-def test_damaged_state_files_never_stop_the_daemon(make_daemon, tmp_path, damage):
+def test_damaged_state_files_never_stop_the_daemon(make_daemon, template, tmp_path, damage):
     """49179bb: am_extras.json nested 200k deep stopped the daemon at start; as a FIFO it blocked
     the start and SIGTERM; an outbox record nested 100k deep stopped all delivery."""
     state = tmp_path / "state"
@@ -345,8 +345,9 @@ def test_damaged_state_files_never_stop_the_daemon(make_daemon, tmp_path, damage
         os.mkfifo(state / "outbox" / "0000-fifo.json")
     d = make_daemon(runs_dir=tmp_path / "runs", start=False,
                     env={"SENTINELD_ALERTMANAGER_URL": "http://127.0.0.1:9"})
+    (tmp_path / "runs").mkdir(mode=0o700)
+    _copy_run(template, tmp_path / "runs" / "r", {"run_id": "r"})  # a real run's NaN stream
     d.start()
-    _train(tmp_path / "runs", "r")
     wait_until(lambda: [n for n in d.notifications() if n["kind"] == "alert"], 60, "the alert")
     assert list(state.glob("am_extras.json.damaged-*"))
     assert not os.path.lexists(extras) or isinstance(json.loads(extras.read_text()), list)  # rewritten whole

@@ -236,6 +236,20 @@ def f_divergence_spike() -> list[StepRecord]:
                  fault=_at(150, lambda mod, o, loop: setattr(loop, "y_fn", lambda y: (y + 1) % 10)))
 
 
+def f_loss_spike() -> list[StepRecord]:
+    # one corrupted batch at step 150: 4 of its 64 samples negated and scaled x20 (a bad shard record)
+    m = mlp()
+
+    def corrupt(x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        x[:4] *= -20.0  # flipped and scaled: confidently wrong, not just confident
+        return x
+
+    def fault(s: int, mod: nn.Module, o: Any, loop: Loop) -> None:
+        loop.x_fn = corrupt if s == 150 else None
+    return train(m, torch.optim.Adam(m.parameters(), 1e-3), _data(), steps=170, fault=fault)
+
+
 def f_divergence_growth() -> list[StepRecord]:
     # a runaway schedule: from step 100 the learning rate grows 4% per step
     m = mlp()
@@ -382,6 +396,8 @@ FAULTY: list[Scenario] = [
              description="a nan in the batch of step 100"),
     Scenario("labels_off_by_one", f_divergence_spike, "divergence_spike", 150, 3,
              description="labels shifted by one from step 150 (a bad data shard)"),
+    Scenario("corrupted_batch", f_loss_spike, "loss_spike", 150, 3,
+             description="4 of 64 samples of step 150's batch scaled x-20"),
     Scenario("runaway_lr", f_divergence_growth, "divergence_growth", 100, 120,
              description="lr x1.04 per step from step 100"),
     Scenario("gradient_x1000", f_exploding_gradients, "exploding_gradients", 120, 3,

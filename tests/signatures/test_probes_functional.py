@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from sentineld.agent.actprobe import DEAD_INPUT
 from sentineld.agent.probes import attach_probes
 from sentineld.contracts.records import LayerStats, StepRecord
 from sentineld.signatures import SignatureConfig, detect_dead_relu
@@ -280,3 +281,30 @@ def test_cuda_sampled_forward_and_backward_do_not_sync() -> None:
                 torch.cuda.set_sync_debug_mode("default")
             stats = probes.collect()
             assert stats[""].dead_fraction is not None
+
+
+@pytest.mark.parametrize("act, level", [("relu", 0.0), ("gelu", DEAD_INPUT["gelu"])])
+def test_transformer_layer_activation_measured_without_the_function_mode(act: str, level: float) -> None:
+    """nn.TransformerEncoderLayer calls its activation as a function (F.relu / F.gelu) on
+    linear1's output: measured there, named after the layer, with no function mode inside the
+    layer (issue 23: the mode's handler on every op of the layer cost ~20% of a sampled step)."""
+    torch.manual_seed(0)
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True,
+                                                             activation=act), 2)
+    with torch.no_grad():
+        model.layers[1].linear1.bias[:20] = -100.0          # 20 of 32 units never leave the dead region
+    truth: dict[int, float] = {}
+    modes: list[int] = []
+    for i, layer in enumerate(model.layers):
+        layer.linear1.register_forward_hook(lambda m, a, o, i=i: truth.__setitem__(
+            i, float((o <= level).all(0).all(0).float().mean())))
+        layer.norm2.register_forward_pre_hook(lambda m, a: modes.append(torch._C._len_torch_function_stack()))
+    with attach_probes(model, torch.optim.SGD(model.parameters(), 0.1), every=1) as probes:
+        probes.begin_step(0)
+        model(torch.randn(4, 5, 16)).sum().backward()
+        stats = probes.collect()
+    assert stats is not None
+    assert stats["layers.1"].dead_fraction == pytest.approx(truth[1]) == pytest.approx(20 / 32)
+    assert stats["layers.0"].dead_fraction == pytest.approx(truth[0])
+    assert stats["layers.1"].activation == act
+    assert modes == [0, 0]

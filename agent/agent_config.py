@@ -26,6 +26,10 @@ class AgentConfig:
         ring_bytes: most bytes of batches kept; older steps are dropped first.
         metrics_port: Prometheus port (rank r uses ``metrics_port + local rank``); 0 = off;
             -1 = any free port (tests). 9500 is this project's default range (deploy/README.md).
+        metrics_port_range: a busy port moves to the next of ``metrics_port + local rank .. +
+            metrics_port_range - 1`` before any free port (so a second training process on the
+            host stays inside a fixed scrape config's range, e.g. 9500-9515); the port bound is
+            in run.json ``extra.metrics_port`` and ``sentineld runs``.
         metrics_addr: bind address; loopback unless you mean to expose it.
         flush_s: seconds between stream writes (the most SIGKILL can lose).
         layer_every: steps between per-layer samples (activations, per-layer norms, update
@@ -69,6 +73,7 @@ class AgentConfig:
     ring_bytes: int = 1 << 30
     metrics_port: int = 9500
     metrics_addr: str = "127.0.0.1"
+    metrics_port_range: int = 16
     flush_s: float = 1.0
     layer_every: int = 50
     rearm_steps: int = REARM_STEPS
@@ -91,6 +96,8 @@ class AgentConfig:
                              f"({self.window}) or no clean snapshot would precede an incident")
         if self.metrics_port < -1 or self.metrics_port > 65535:
             raise ValueError(f"metrics_port must be -1, 0 or a TCP port, got {self.metrics_port}")
+        if self.metrics_port_range < 1:
+            raise ValueError(f"metrics_port_range must be >= 1 ports, got {self.metrics_port_range}")
         if not self.flush_s > 0:
             raise ValueError(f"flush_s must be > 0 seconds, got {self.flush_s}")
         if self.replica_every < 0:

@@ -46,23 +46,39 @@ class CaptureWriter:
         self.sharded: Any = None  # a ShardedSaver (agent/sharded.py) for an FSDP2 model
         self.crash_captured = False
         self._threads: list[threading.Thread] = []
+        self._written: list[threading.Event] = []
 
     def start(self, trigger: str, step: int, snap: Snapshot, entries: list[RingEntry],
               message: str) -> None:
         """Start writing ``capture-rank<R>-step<step>-<trigger>.h5`` from ``snap`` and ``entries``."""
         path = RunDir(self.run_dir).capture(self.rank, step, trigger)
-        args = (path, trigger, step, snap, entries, message)
+        written = threading.Event()
+        args = (path, trigger, step, snap, entries, message, written)
         t = threading.Thread(target=self._write, args=args, name="sentineld-capture", daemon=True)
         self._threads.append(t)
+        self._written.append(written)
         t.start()
 
-    def join(self, deadline: float) -> None:
-        """Wait for the captures being written, until ``deadline`` (``time.monotonic``)."""
+    def join(self, deadline: float, localize_s: float | None = None) -> None:
+        """Wait for the captures being written, until ``deadline`` (``time.monotonic``); for the
+        localizations that follow them at most ``localize_s`` more (None: until ``deadline``)."""
+        for ev in self._written:
+            ev.wait(max(0.0, deadline - time.monotonic()))
+        end = deadline if localize_s is None else min(deadline, time.monotonic() + localize_s)
         for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+            t.join(max(0.0, end - time.monotonic()))
 
     def _write(self, path: Path, trigger: str, step: int, snap: Snapshot,
-               entries: list[RingEntry], message: str) -> None:
+               entries: list[RingEntry], message: str, written: threading.Event) -> None:
+        try:
+            self._write_capture(path, trigger, step, snap, entries, message)
+        finally:
+            written.set()
+        if path in self.captures and self.localizer is not None:
+            self.localizer.after_capture(path, trigger, step, snap, entries)
+
+    def _write_capture(self, path: Path, trigger: str, step: int, snap: Snapshot,
+                       entries: list[RingEntry], message: str) -> None:
         try:
             snap.wait()
             if self.device.type == "cuda":
@@ -83,5 +99,3 @@ class CaptureWriter:
         self.captures.append(path)
         self.crash_captured |= trigger == CRASH
         self.latest.captures_total += 1
-        if self.localizer is not None:
-            self.localizer.after_capture(path, trigger, step, snap, entries)

@@ -99,11 +99,14 @@ class _Collector:
                 yield g
 
 
-def start_exporter(latest: Latest, run: str, rank: int, port: int, addr: str) -> tuple[Any, int]:
+def start_exporter(latest: Latest, run: str, rank: int, port: int, addr: str,
+                   port_range: int = 1) -> tuple[Any, int]:
     """Serve ``latest`` on ``http://addr:port/metrics``; return ``(server, bound_port)``.
 
-    ``port=-1`` binds any free port. A port in use falls back to a free one with one warning
-    (two runs on one host must not kill each other's metrics).
+    ``port=-1`` binds any free port. A port in use moves to the next of ``port .. port +
+    port_range - 1`` (a fixed scrape config lists that range), and only past it to a free one,
+    with one warning (two runs on one host must not kill each other's metrics); the port bound
+    is in run.json (``extra.metrics_port``) and ``sentineld runs``.
 
     Raises:
         OSError: nothing could be bound at all.
@@ -111,12 +114,18 @@ def start_exporter(latest: Latest, run: str, rank: int, port: int, addr: str) ->
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(latest, run, rank))  # type: ignore[arg-type]
     want = 0 if port == -1 else port
-    try:
-        server, _ = start_http_server(want, addr=addr, registry=registry)
-    except OSError as exc:
-        if want == 0:
-            raise
-        server, _ = start_http_server(0, addr=addr, registry=registry)
-        log.warning("sentineld: metrics port %d is busy (%s); serving on %d instead",
-                    want, exc, server.server_port)
-    return server, int(server.server_port)
+    tries = [want] if want == 0 else [p for p in range(want, want + max(1, port_range)) if p <= 65535] + [0]
+    err: OSError | None = None
+    for p in tries:
+        try:
+            server, _ = start_http_server(p, addr=addr, registry=registry)
+        except OSError as exc:
+            err = err or exc
+            continue
+        if p != want:
+            where = "outside its range, a fixed scrape config misses it" if p == 0 else "the next in its range"
+            log.warning("sentineld: metrics port %d is busy (%s); serving on %d instead (%s; set "
+                        "metrics_port_range to widen the range)", want, err, server.server_port, where)
+        return server, int(server.server_port)
+    assert err is not None
+    raise err

@@ -37,7 +37,11 @@ what"); the agent's own part (this module) needs only torch and the contracts.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -52,10 +56,16 @@ from sentineld.contracts.verdict_file import LOCALIZE_MODES, LOCALIZED_TRIGGERS,
 
 from .ring import HostCopies, RingEntry, Snapshot
 
-__all__ = ["LiveLocalizer", "make_localizer", "state_bytes"]
+__all__ = ["LiveLocalizer", "make_localizer", "state_bytes", "CLOSE_WAIT_S", "CHILD_TIMEOUT_S"]
 
 log = logging.getLogger("sentineld.agent")
 
+#: Most seconds ``Watch.close`` waits for a localization still running when the run ends (the
+#: capture itself is always waited for): then the child is killed (or the thread left behind),
+#: a ``failed`` verdict says so and the daemon replays the run itself.
+CLOSE_WAIT_S = 30.0
+#: Most seconds a child localization may run while training goes on (then it is killed).
+CHILD_TIMEOUT_S = 600.0
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
@@ -100,8 +110,16 @@ class LiveLocalizer:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None, window: int, run_id: str,
-                 **settings: Any) -> None:
+                 mode: str = "thread", **settings: Any) -> None:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        #: ``process`` (a child process replays from the recorded live recipe), ``thread``, or
+        #: ``auto`` until :meth:`recorded` resolved it.
+        self.mode = mode
+        #: The recorded live recipe (run.json ``extra.live_recipe``), or None.
+        self.live_args: dict[str, Any] | None = None
+        #: Set by ``Watch.close``: a running localization gets :data:`CLOSE_WAIT_S` more seconds.
+        self.closing = threading.Event()
+        self._closing_at: float | None = None
         self.run_id = run_id
         self.settings = settings
         self.forward_only = loss_fn is None
@@ -123,6 +141,46 @@ class LiveLocalizer:
         #: The agent's per-step host copies (set by the Watch), shared with its batch copy.
         self.copies: HostCopies | None = None
         self._calls_nbytes = 0
+
+    def recorded(self) -> dict[str, Any]:
+        """run.json's ``extra`` fields that rebuild this run without a recipe; resolves ``auto``.
+
+        ``live_recipe`` (with ``loss_fn``) or ``model_structure`` (forward-only), see
+        :mod:`sentineld.contracts.structure`; ``localize_process_off`` says why a ``loss_fn`` run
+        localizes in a thread (its live objects cannot be rebuilt in a child). Never raises.
+        """
+        from sentineld.contracts.structure import function_ref, module_tree, optimizer_tree, problems, scheduler_tree  # noqa: PLC0415
+        try:
+            tree = module_tree(self.model)
+            if self.forward_only:
+                self.mode = "thread" if self.mode == "auto" else self.mode
+                return {"model_structure": tree}
+            s = self.settings
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            scaler = s.get("scaler")
+            args: dict[str, Any] = {
+                "model": tree, "optimizer": optimizer_tree(self.optimizer, names),
+                "loss_fn": function_ref(self.loss_fn), "root": os.getcwd(),
+                "clip_grad_norm": s.get("clip_grad_norm"),
+                "accumulation_steps": int(s.get("accumulation_steps") or 1), "num_classes": s.get("num_classes"),
+                "scheduler": scheduler_tree(s["scheduler"]) if s.get("scheduler") is not None else None,
+                "scaler": ({"enabled": bool(scaler.is_enabled()), "device": str(getattr(scaler, "_device", "cuda"))}
+                           if scaler is not None else None)}
+            json.dumps(args, allow_nan=False)
+            self.live_args = args
+            why = problems(args)
+            if self.mode == "auto":
+                self.mode = "thread" if why else "process"
+            return {"live_recipe": args, **({"localize_process_off": why} if why else {})}
+        except Exception as exc:  # noqa: BLE001 - the agent never breaks training
+            self.mode = "thread" if self.mode == "auto" else self.mode
+            log.info("sentineld: the live model/optimizer/loss_fn cannot be recorded for a later replay: %r", exc)
+            return {"live_recipe_error": f"{type(exc).__name__}: {exc}"[:500]}
+
+    def close_begins(self) -> None:
+        """``Watch.close`` started: a localization still running gets :data:`CLOSE_WAIT_S` more."""
+        self._closing_at = time.monotonic()
+        self.closing.set()
 
     # ------------------------------------------------------------ per step
     def on_forward(self, step: int, args: Any, kwargs: Any, snapshot_due: bool) -> None:
@@ -163,7 +221,8 @@ class LiveLocalizer:
         if not self.forward_only:
             return None
         steps = {e.step for e in entries}
-        return {s: {"args": a, "kwargs": k} for s, a, k in list(self.calls) if s in steps}
+        cast = str(self.autocast).removeprefix("torch.") if self.autocast is not None else None
+        return {s: {"args": a, "kwargs": k, "autocast": cast} for s, a, k in list(self.calls) if s in steps}
 
     # ------------------------------------------------------------ at an incident
     def after_capture(self, path: Path, trigger: str, step: int, snap: Snapshot, entries: list[RingEntry]) -> None:
@@ -177,6 +236,12 @@ class LiveLocalizer:
         t0 = time.perf_counter()
         try:
             with self._one_at_a_time:  # at most one second copy at a time (incident + crash captures)
+                if self.mode == "process" and self.live_args is not None:
+                    text = self._in_child(path, snap)
+                    if text is not None:
+                        self.verdicts.append(write_verdict(path, text))
+                        self.last_s = time.perf_counter() - t0
+                        return
                 replayed = self._forward_only(snap, entries, step) if self.forward_only else self._full(path, snap)
             wall_s = round(time.perf_counter() - t0, 4)
             report = make_report(replace(replayed, capture=str(path)), self.run_id, elapsed_s=wall_s, evidence={
@@ -190,6 +255,60 @@ class LiveLocalizer:
             except OSError as err:
                 log.warning("sentineld: verdict for %s not written: %s", path.name, err)
         self.last_s = time.perf_counter() - t0
+
+    def _deadline(self, started: float) -> float:
+        end = started + CHILD_TIMEOUT_S
+        if self._closing_at is not None:
+            end = min(end, self._closing_at + CLOSE_WAIT_S)
+        return end
+
+    def _in_child(self, path: Path, snap: Snapshot) -> str | None:
+        """The verdict JSON from a child process (:mod:`replay.live_child`), or None when the child
+        could not rebuild the run (the thread then localizes). Raises TimeoutError past the
+        deadline (the child is killed)."""
+        from sentineld.contracts.capture import open_capture  # noqa: PLC0415
+
+        with open_capture(path) as cap:
+            carried = any(isinstance(r, dict) and r.get("grads_carried") for r in cap.records())
+        args = dict(self.live_args or {})
+        if self.autocast is not None:
+            args["autocast_dtype"] = str(self.autocast).removeprefix("torch.")
+        spec = {"run_dir": str(path.parent), "capture": str(path), "recipe_args": args,
+                "zero_grad": not carried, "modes": self.modes.get(snap.step), "num_threads": self.num_threads}
+        t0 = time.monotonic()
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, self.num_threads))}
+        proc = subprocess.Popen([sys.executable, "-m", "sentineld.replay.live_child"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=os.getcwd(), env=env,
+                                start_new_session=True)
+        payload: str | None = json.dumps(spec)
+        out = err = b""
+        while True:
+            try:
+                o, e = proc.communicate(payload.encode() if payload is not None else None, timeout=0.25)
+                out, err = out + (o or b""), err + (e or b"")
+                break
+            except subprocess.TimeoutExpired:
+                payload = None  # written already
+                if time.monotonic() > self._deadline(t0):
+                    proc.kill()
+                    proc.communicate()
+                    raise TimeoutError(f"the localization child ran past its deadline ({time.monotonic() - t0:.1f} s; "
+                                       f"{CLOSE_WAIT_S:g} s after close, {CHILD_TIMEOUT_S:g} s while training) "
+                                       "and was killed") from None
+        try:
+            verdict = json.loads(out.decode("utf-8", "replace"))
+        except ValueError:
+            verdict = {"result": "failed", "reason": f"the child exited {proc.returncode}: "
+                                                     f"{err.decode('utf-8', 'replace')[-1500:]}"}
+        if not isinstance(verdict, dict) or verdict.get("result") == "failed":
+            log.warning("sentineld: localization in a child process failed (%s); localizing in a thread",
+                        str(verdict.get("reason") if isinstance(verdict, dict) else verdict)[:500])
+            return None
+        ev = verdict.setdefault("evidence", {})
+        ev["in_process"] = {"mode": "process", "memory_bytes": self.memory_bytes,
+                            "wall_s": round(time.monotonic() - t0, 4)}
+        verdict["run_id"], verdict["capture"] = self.run_id, str(path)
+        return json.dumps(verdict, allow_nan=False)
 
     def _full(self, path: Path, snap: Snapshot) -> Replayed:
         from sentineld.contracts.capture import open_capture  # noqa: PLC0415
@@ -217,8 +336,11 @@ class LiveLocalizer:
         rngs = {e.step: e.rng for e in entries}
         calls = [ForwardCall(s, a, k, dict(r) if (r := rngs.get(s)) else None)
                  for s, a, k in list(self.calls) if s in rngs]
+        losses = {e.step: float(e.record["loss"]) for e in entries
+                  if isinstance(e.record, dict) and isinstance(e.record.get("loss"), (int, float))}
         with isolated(self.num_threads) as flags:
-            found = localize_forward(model, snap.step, calls, step, flags["_rng"].set_state)
+            found = localize_forward(model, snap.step, calls, step, flags["_rng"].set_state,
+                                     autocast_dtype=self.autocast, recorded_losses=losses)
         in_effect = {k: v for k, v in flags.items() if not k.startswith("_")}
         return replace(found, evidence={**found.evidence, "torch_flags": in_effect})
 
@@ -266,7 +388,7 @@ def make_localizer(mode: str, model: torch.nn.Module, optimizer: torch.optim.Opt
         raise ValueError(f"loss_fn must be a function (model, batch) -> loss, got {type(loss_fn).__name__}")
     if mode == "off" or (loss_fn is None and recipe is not None):
         return None
-    loc = LiveLocalizer(model, optimizer, loss_fn, window, run_id, **settings)
+    loc = LiveLocalizer(model, optimizer, loss_fn, window, run_id, mode=mode, **settings)
     what = ("forward-only (no loss_fn, no recipe: loss, backward and optimizer are not checked; "
             "pass loss_fn= to check them)" if loc.forward_only else "full replay with loss_fn")
     log.info("sentineld: in-process localization on, %s; at an incident it builds a second copy of the "

@@ -49,6 +49,7 @@ from sentineld.contracts.records import AGENT_ERROR, AgentNotice, EndLine
 from sentineld.contracts.rundir import RunDir, default_runs_dir
 from sentineld.contracts.triggers import CRASH, MANUAL
 
+from . import localize_live
 from .agent_config import AgentConfig
 from .capturer import CaptureWriter
 from .exits import EXITS
@@ -61,7 +62,7 @@ from .ring import Ring
 from .runfiles import open_run_files
 from .runinfo import dist_rank, is_compiled, model_kind, unwrap
 from .sharded import model_is_sharded, sharded_saver
-from .wiring import check_args, check_signatures, run_extra, start_disk_ring, start_metrics
+from .wiring import check_args, check_signatures, record_metrics_port, run_extra, start_disk_ring, start_metrics
 
 __all__ = ["Watch"]
 
@@ -94,7 +95,7 @@ class Watch:
         num_classes: int | None = None,
         accumulation_steps: int = 1,
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
-        localize: str = "thread",
+        localize: str = "auto",
         clip_grad_norm: float | None = None,
         signatures: dict[str, dict[str, Any]] | None = None,
         config: AgentConfig | None = None,
@@ -132,6 +133,8 @@ class Watch:
         self.latest = Latest(ring_bound_bytes=self.memory.total)
         self._server, self.metrics_port = start_metrics(cfg, self.latest, self.run_id, self.rank,
                                                         local_rank, self.enabled)
+        if self.metrics_port is not None:
+            record_metrics_port(self.run_dir, self.rank, self.metrics_port)
         self._closed = False
         # Imported now, not at the first capture: the exit paths (atexit, excepthook) write
         # captures, and a first `import h5py` from an atexit handler segfaults (h5py 3.16).
@@ -370,6 +373,8 @@ class Watch:
             return
         self._closed = True
         EXITS.unregister(self)
+        if self._live is not None:
+            self._live.close_begins()  # a localization still running gets CLOSE_WAIT_S more
         self._remove_hooks()
         rec = self._rec
         if self.enabled:
@@ -386,7 +391,8 @@ class Watch:
         if rec.peers is not None:
             rec.peers.stop()
         deadline = time.monotonic() + timeout_s
-        self._writer.join(deadline)
+        # +2 s: past its deadline the child is killed and the "failed" verdict written
+        self._writer.join(deadline, localize_s=localize_live.CLOSE_WAIT_S + 2.0)
         rec.close_disk(remove=reason == "finished" or self._writer.crash_captured,
                        timeout_s=max(0.0, deadline - time.monotonic()))
         self.stream.put(EndLine(reason, rec.n, rec.wall()).to_json())

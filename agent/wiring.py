@@ -4,6 +4,7 @@ unwritable ring directory): that part is switched off with a warning and trainin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 
 from sentineld.contracts.records import AGENT_WARNING, AgentNotice
-from sentineld.contracts.rundir import valid_run_id
+from sentineld.contracts.rundir import RunDirError, read_run_meta, valid_run_id, write_run_meta
 from sentineld.contracts.stream import StreamWriter
 
 from .agent_config import AgentConfig
@@ -21,7 +22,7 @@ from .exporter import Latest, start_exporter
 from .localize_live import LiveLocalizer
 from .runinfo import default_run_id, job_attempt
 
-__all__ = ["check_args", "run_extra", "start_metrics", "start_disk_ring"]
+__all__ = ["check_args", "run_extra", "start_metrics", "start_disk_ring", "record_metrics_port"]
 
 log = logging.getLogger("sentineld.agent")
 
@@ -70,9 +71,13 @@ def check_signatures(signatures: Any) -> dict[str, dict[str, Any]]:
 
 def run_extra(live: LiveLocalizer | None, localize: str, inner: torch.nn.Module) -> dict[str, Any]:
     """run.json's in-process localization fields (read by the daemon and the forward-only replay)."""
-    return {"localize": localize if live else "off",
-            "localize_memory_bytes": live.memory_bytes if live else 0,
-            "model_class": f"{type(inner).__module__}:{type(inner).__qualname__}"}
+    # What rebuilds the run without a recipe (`sentineld replay`, `report`, `regress`); resolves
+    # the localizer's ``auto`` mode, so it comes first.
+    rebuild = live.recorded() if live is not None else {}
+    out = {"localize": live.mode if live else "off",
+           "localize_memory_bytes": live.memory_bytes if live else 0,
+           "model_class": f"{type(inner).__module__}:{type(inner).__qualname__}"}
+    return {**out, **rebuild}
 
 
 def start_metrics(config: AgentConfig, latest: Latest, run_id: str, rank: int, local_rank: int,
@@ -82,10 +87,22 @@ def start_metrics(config: AgentConfig, latest: Latest, run_id: str, rank: int, l
         return None, None
     port = config.metrics_port + (local_rank if config.metrics_port > 0 else 0)
     try:
-        return start_exporter(latest, run_id, rank, port, config.metrics_addr)
+        return start_exporter(latest, run_id, rank, port, config.metrics_addr, config.metrics_port_range)
     except OSError as exc:
         log.warning("sentineld: metrics export off: %s", exc)
         return None, None
+
+
+def record_metrics_port(run_dir: Path, rank: int, port: int) -> None:
+    """Put the bound metrics port into rank 0's run.json (``extra.metrics_port``; other ranks'
+    ports are ``metrics_port + local rank`` unless busy). Never raises."""
+    if rank != 0:
+        return
+    try:
+        meta = read_run_meta(run_dir)
+        write_run_meta(run_dir, dataclasses.replace(meta, extra={**meta.extra, "metrics_port": int(port)}))
+    except (OSError, RunDirError) as exc:
+        log.warning("sentineld: metrics port not recorded in run.json: %s", exc)
 
 
 def start_disk_ring(config: AgentConfig, run_dir: Path, rank: int, run_id: str,

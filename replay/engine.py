@@ -74,13 +74,18 @@ def find_capture(run_dir: Path, step: int | None, rank: int | None = None) -> Pa
 
 
 def _factory(meta: RunMeta, recipe_spec: str | None, trust: bool, named_by: list[Path]) -> Callable[[], Recipe]:
-    """Import the recipe function (after the ownership checks) bound to the run's arguments."""
-    spec = recipe_spec or meta.recipe
-    if not spec:
+    """Import the recipe function (after the ownership checks) bound to the run's arguments: the
+    ``--recipe`` given, run.json's recipe, or the live objects a ``loss_fn`` run recorded
+    (:mod:`replay.live_recipe`)."""
+    from .live_recipe import recipe_of  # noqa: PLC0415
+
+    found = (recipe_spec, dict(meta.recipe_args)) if recipe_spec else recipe_of(meta)
+    if found is None:
         raise ReplayError(f"run {meta.run_id} recorded no recipe; pass --recipe module:function "
                           "(a function returning sentineld.recipe.Recipe)")
+    spec, args = found
     fn = load_recipe_factory(spec, meta.cwd, trust=trust, named_by=named_by)
-    return lambda: _build(fn, spec, meta.recipe_args)
+    return lambda: _build(fn, spec, args)
 
 
 def _build(factory: Callable[..., Any], spec: str, args: dict[str, Any]) -> Recipe:
@@ -89,6 +94,9 @@ def _build(factory: Callable[..., Any], spec: str, args: dict[str, Any]) -> Reci
     except UntrustedError:
         raise  # a module the recipe imports is not safely ours: say so, not "the recipe raised"
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code, sys.exit() included
+        if spec.startswith("sentineld.replay.live_recipe:"):
+            raise ReplayError(f"the run's recorded model, optimizer and loss_fn (attach(loss_fn=)) cannot be "
+                              f"rebuilt: {exc}") from None
         raise ReplayError(f"recipe {spec} raised while building the model: "
                           f"{type(exc).__name__}: {exc}") from None
     if not isinstance(recipe, Recipe):
@@ -145,7 +153,7 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
     meta = read_run_meta(run_dir)
     ranks: dict[int, Path] = {}
     missing: list[int] = []
-    if meta.world_size > 1 and rank is None and (spec or meta.recipe):
+    if meta.world_size > 1 and rank is None and (spec or meta.recipe or meta.extra.get("live_recipe")):
         from .ddp import missing_ranks_error, rank_captures  # noqa: PLC0415
 
         # A DDP step needs every rank's batch; given one capture (the daemon), use its rank
@@ -156,7 +164,9 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
         ranks = {} if missing else ranks
     cap_path = Path(capture) if capture else ranks[0] if ranks else find_capture(run_dir, step, rank)
     named_by = [p for p in (run_dir / RunDir.RUN_JSON, cap_path) if p.exists()]
-    if not (spec or meta.recipe):  # a run with neither recipe nor loss_fn: forward-only
+    from .live_recipe import recipe_of  # noqa: PLC0415
+
+    if not spec and recipe_of(meta) is None:  # a run with neither recipe nor loss_fn: forward-only
         from .forward_replay import replay_forward_only  # noqa: PLC0415
 
         return make_report(replay_forward_only(meta, cap_path, trust, named_by), meta.run_id)
@@ -184,7 +194,16 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
                                            t0=t0), meta.run_id)
         return _mark_compiled(add_what_if(found, cap_path, _factory(meta, spec, trust, named_by), env,
                                           compiled=run_compiled(meta), repeats=repeats), meta.extra)
-    replayed = replay_capture(cap_path, lambda: _factory(meta, spec, trust, named_by), step, env, t0=t0)
+    try:
+        replayed = replay_capture(cap_path, lambda: _factory(meta, spec, trust, named_by), step, env, t0=t0)
+    except ReplayError as exc:
+        from sentineld.contracts.verdict_file import verdict_path  # noqa: PLC0415
+
+        own = verdict_path(cap_path)
+        if spec or meta.recipe or "recorded model, optimizer and loss_fn" not in str(exc):
+            raise
+        raise ReplayError(f"{exc}; or pass --recipe module:function"
+                          + (f"; the training process's own verdict is in {own}" if own.exists() else "")) from None
     if missing:
         from .ddp import partial_evidence  # noqa: PLC0415
 

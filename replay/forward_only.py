@@ -13,9 +13,10 @@ says so and how to enable the full replay.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, cast
 
 import torch
@@ -66,13 +67,18 @@ def _to(tree: Any, device: torch.device) -> Any:
     return map_tensors(tree, lambda t: t.to(device))
 
 
-def _run(model: torch.nn.Module, call: ForwardCall, set_rng: Callable[[dict[str, Any]], None]) -> tuple[Tracer, bool]:
+def _run(model: torch.nn.Module, call: ForwardCall, set_rng: Callable[[dict[str, Any]], None],
+         autocast_dtype: torch.dtype | None = None) -> tuple[Tracer, bool]:
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     args, kwargs = _to(call.args, device), _to(call.kwargs, device)
     if call.rng is not None:
         set_rng(dict(call.rng))
     tracer = Tracer(model)
-    with tracer:
+    tracer.set_batch((args, kwargs))
+    # The run's autocast: an fp16 overflow exists only under it.
+    cast_ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
+                else contextlib.nullcontext())
+    with tracer, cast_ctx:
         tracer.set_phase("forward")
         out = model(*args, **kwargs)
     outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
@@ -82,7 +88,8 @@ def _run(model: torch.nn.Module, call: ForwardCall, set_rng: Callable[[dict[str,
 
 
 def localize_forward(model: torch.nn.Module, snapshot_step: int, calls: list[ForwardCall], first_step: int,
-                     set_rng: Callable[[dict[str, Any]], None]) -> Replayed:
+                     set_rng: Callable[[dict[str, Any]], None], *, autocast_dtype: torch.dtype | None = None,
+                     recorded_losses: dict[int, float] | None = None) -> Replayed:
     """Run the recorded forward calls from ``first_step`` on ``model`` (holding snapshot S) until
     one makes a non-finite output; return what it found.
 
@@ -93,6 +100,9 @@ def localize_forward(model: torch.nn.Module, snapshot_step: int, calls: list[For
         first_step: the incident's step N.
         set_rng: loads a recorded RNG state where the forward draws from (private generators in
             the training process).
+        autocast_dtype: the autocast dtype the training forward ran under, or None.
+        recorded_losses: step -> the loss the run recorded (sets ``recorded_nonfinite`` and says
+            so when the forward is finite while the recorded loss was not).
 
     Returns:
         A :class:`Replayed` (``rank`` and ``capture`` left to the caller): phase ``data``
@@ -115,7 +125,7 @@ def localize_forward(model: torch.nn.Module, snapshot_step: int, calls: list[For
                             evidence={"field": fields[0]["field"], "samples": fields[0]["samples"], "fields": fields})
             reproduced = True
             break
-        tracer, bad = _run(model, call, set_rng)
+        tracer, bad = _run(model, call, set_rng, autocast_dtype)
         tried.append(call.step)
         if bad:
             found = _forward(step, {"births": [b.summary() for b in tracer.births[:5]]},
@@ -131,10 +141,15 @@ def localize_forward(model: torch.nn.Module, snapshot_step: int, calls: list[For
     if step > snapshot_step:
         not_checked.append(f"parameter updates of steps {snapshot_step}..{step - 1} "
                            f"(the forward ran on snapshot {snapshot_step}'s parameters)")
+    rec = (recorded_losses or {}).get(step)
+    recorded_nonfinite = rec is not None and not math.isfinite(rec)
+    if found.phase == "none" and recorded_nonfinite:
+        found = replace(found, cause=f"the run recorded loss {rec!r} at step {step}, but {found.cause}")
     ev = dict(mode="forward_only", checked=["forward"], not_checked=not_checked, how_to_enable=HOW_TO_ENABLE,
               snapshot_step=snapshot_step, forward_steps_tried=tried, replayed_loss=math.nan,
+              autocast_dtype=str(autocast_dtype).removeprefix("torch.") if autocast_dtype is not None else None,
               warning=(f"forward-only verdict: the loss, backward and optimizer step were not checked; to "
                        f"check them, {HOW_TO_ENABLE}"))
     elapsed = round(time.perf_counter() - t0, 4)
     return Replayed(found, requested_step=first_step, reproduced=reproduced, steps_rebuilt=0, elapsed_s=elapsed,
-                    localize_s=elapsed, evidence=ev)
+                    localize_s=elapsed, recorded_nonfinite=recorded_nonfinite, evidence=ev)

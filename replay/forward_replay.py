@@ -29,7 +29,33 @@ from .trust import load_recipe_factory
 __all__ = ["replay_forward_only"]
 
 
+def _from_structure(meta: RunMeta, trust: bool, named_by: list[Path]) -> torch.nn.Module | None:
+    """The model rebuilt from the structure the run recorded at attach (constructor arguments and
+    a class of the training script included), or None for a run that recorded none."""
+    from sentineld.contracts.structure import StructureError, build_module  # noqa: PLC0415
+    from sentineld.contracts.trust import check_owned  # noqa: PLC0415
+
+    from .live_recipe import Loader  # noqa: PLC0415
+    from .trust import _TRUST  # noqa: PLC0415
+
+    tree = meta.extra.get("model_structure") if isinstance(meta.extra, dict) else None
+    if not isinstance(tree, dict):
+        return None
+    if not trust:
+        for f in named_by:
+            check_owned(f)
+    _TRUST.set(trust)
+    try:
+        return build_module(tree, Loader(meta.cwd, trust))
+    except StructureError as exc:
+        raise ReplayError(f"run {meta.run_id} recorded no recipe, and its model cannot be rebuilt from what "
+                          f"it recorded: {exc}") from None
+
+
 def _model(meta: RunMeta, trust: bool, named_by: list[Path]) -> torch.nn.Module:
+    built = _from_structure(meta, trust, named_by)
+    if built is not None:
+        return built
     spec = meta.extra.get("model_class") if isinstance(meta.extra, dict) else None
     if not isinstance(spec, str) or spec.startswith("__main__:"):
         raise ReplayError(f"run {meta.run_id} recorded no recipe, and its model class "
@@ -82,6 +108,12 @@ def replay_forward_only(meta: RunMeta, cap_path: Path, trust: bool, named_by: li
         calls = [ForwardCall(s, tuple(c["args"]), dict(c["kwargs"]), dict(r) if (r := cap.step(s).rng) else None)
                  for s, c in sorted(calls_rec.items()) if s in cap.steps]
         flags = meta.extra.get("torch_flags") if isinstance(meta.extra, dict) else None
+        cast = next((c.get("autocast") for c in calls_rec.values() if isinstance(c, dict) and c.get("autocast")), None)
+        dtype = getattr(torch, str(cast), None) if cast else None
+        losses = {int(r["step"]): float(r["loss"]) for r in cap.records()
+                  if isinstance(r, dict) and "step" in r and isinstance(r.get("loss"), (int, float))}
         with torch_globals(meta.num_threads, flags if isinstance(flags, dict) else None) as in_effect:
-            found = localize_forward(model, cap.snapshot_step, calls, cap.first_step, restore_rng)
+            found = localize_forward(model, cap.snapshot_step, calls, cap.first_step, restore_rng,
+                                     autocast_dtype=dtype if isinstance(dtype, torch.dtype) else None,
+                                     recorded_losses=losses)
     return replace(found, rank=cap.rank, capture=str(cap_path), evidence={**found.evidence, "torch_flags": in_effect})

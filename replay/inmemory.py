@@ -89,31 +89,38 @@ def copy_module(live: torch.nn.Module, modes: list[bool] | None = None) -> torch
 
 
 def copy_optimizer(live: torch.optim.Optimizer, model_map: dict[int, torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """A new optimizer of ``live``'s class over the copied parameters, with ``live``'s param groups
-    (hyperparameters copied, so a scheduler stepping the copy never writes the live groups).
+    """A copy of the live optimizer over the copied parameters, made without calling its
+    constructor: an object of ``live``'s class given copies of its own attributes (a custom
+    optimizer's ``loss_scale``, say), its defaults and its param groups (hyperparameters copied, so
+    a scheduler stepping the copy never writes the live groups), with empty state (the replay loads
+    the snapshot's). A constructor with required arguments (``StaticScaleAdam(params, lr,
+    loss_scale)``) is therefore no obstacle. The live optimizer's hooks are not copied.
 
     Raises:
-        TypeError: the class cannot be built from its param groups (a custom optimizer with
-            required constructor arguments): pass a recipe instead.
+        TypeError: the optimizer holds tensors that are not parameters of the model.
     """
+    from sentineld.contracts.structure import optimizer_internals  # noqa: PLC0415
+
     groups = []
-    for g in live.param_groups:
+    for g in list(live.param_groups):
         missing = [tuple(p.shape) for p in g["params"] if id(p) not in model_map]
         if missing:
             raise TypeError(f"the optimizer holds tensors that are not parameters of the model (shapes "
                             f"{missing[:4]}); pass recipe='module:function' to attach instead")
         groups.append({**{k: copy.deepcopy(v) for k, v in g.items() if k != "params"},
                        "params": [model_map[id(p)] for p in g["params"]]})
-    cls: Any = type(live)  # a subclass of Optimizer: its own __init__ takes (params, **defaults)
-    try:
-        return cls(groups)
-    except TypeError:
-        defaults = {k: copy.deepcopy(v) for k, v in getattr(live, "defaults", {}).items()}
-        try:
-            return cls(groups, **defaults)
-        except TypeError as exc:
-            raise TypeError(f"cannot build a {cls.__name__} from its param groups ({exc}); pass "
-                            "recipe='module:function' to attach instead") from None
+    cls: Any = type(live)
+    out = cls.__new__(cls)
+    memo: dict[int, Any] = {id(k): v for k, v in ((p, model_map[id(p)]) for g in live.param_groups
+                                                  for p in g["params"])}
+    skip = optimizer_internals()
+    for k, v in list(vars(live).items()):
+        # Callables on the instance are wrappers others patched in (an LR scheduler wraps
+        # ``step`` to count calls): copied, they would step the *live* optimizer.
+        if k not in skip and not callable(v) and k != "_opt_called":
+            object.__setattr__(out, k, copy.deepcopy(v, memo))
+    torch.optim.Optimizer.__init__(out, groups, copy.deepcopy(dict(live.defaults)))
+    return out
 
 
 def _copy_scaler(scaler: Any) -> Any:

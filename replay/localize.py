@@ -17,7 +17,8 @@ The verdict follows the step's order and stops at the first phase that went wron
   sqrt(x), 0)`` at x < 0) is the origin.
 - ``optimizer``: gradients finite (or Inf turned into NaN by clipping, which counts here), but
   parameters or optimizer state are non-finite after the step, or the learning rate is
-  non-finite (``module`` null, ``where`` names the scheduler). Names the parameters, the state entry (e.g. a zero
+  non-finite (``module`` null, ``where`` names the optimizer step, ``optimizer step (Adam)``, or the
+  scheduler; the modules owning the parameters are in evidence). Names the parameters, the state entry (e.g. a zero
   ``exp_avg_sq`` with an eps that is 0 in float16) and the op.
 - ``none``: every value finite (a GradScaler-skipped step with Inf gradients counts as finite).
 """
@@ -98,6 +99,8 @@ def localize(recipe: Recipe, step: int, batch: Any, rng: Any, record: dict[str, 
     """
     record = record or {}
     tracer = Tracer(recipe.model, lambda: _namer(recipe))
+    tracer.set_batch(batch[0] if recipe.accumulation_steps > 1 and isinstance(batch, (list, tuple)) and batch
+                     else batch)
     seen: dict[str, Any] = {"micro_losses": [], "stepped": False}
 
     def on_phase(phase: str) -> None:
@@ -229,7 +232,7 @@ def _forward(step: int, ev: dict[str, Any], recipe: Recipe, tracer: Tracer) -> F
         return Finding(step=step, phase="forward", cause_class="state_nonfinite",
                        cause="non-finite values were already in the rebuilt state",
                        fix="replay an earlier step (--step) to find where they were made", evidence=ev, **place)
-    ev.update(op_inputs=b.inputs, op_output=b.output, micro_batch=b.micro, kind=b.kind)
+    ev.update(op_inputs=b.inputs, op_output=b.output, micro_batch=b.micro, kind=b.kind, samples=b.samples)
     if b.call is not None:
         ev["module_call"] = tracer.calls[b.call].stats()
     return _found(step, "forward", ev, Facts("forward", b.op, b.kind, b.inputs, b.output), op=b.op,
@@ -254,7 +257,8 @@ def _backward(step: int, ev: dict[str, Any], recipe: Recipe, tracer: Tracer, bad
         # The forward made NaN/Inf in elements a selector dropped; backward multiplies through them.
         m = masked_fwd
         return _found(step, "backward", {**ev, "op_inputs": m.inputs, "op_output": m.output, "kind": m.kind,
-                                         "micro_batch": m.micro, "masked_forward_birth": m.summary()},
+                                         "micro_batch": m.micro, "masked_forward_birth": m.summary(),
+                                         "samples": m.samples},
                       Facts("backward", m.op, m.kind, m.inputs, m.output, forward_op=m.op, masked_forward=True),
                       op=m.op, parameters=bad_grads, **_place(m.module, m.module_type))
     if b is None:
@@ -263,7 +267,8 @@ def _backward(step: int, ev: dict[str, Any], recipe: Recipe, tracer: Tracer, bad
                        fix="check gradient hooks or custom autograd Functions that write gradients", evidence=ev)
     return _found(step, "backward", {**ev, "op_inputs": b.inputs, "op_output": b.output, "micro_batch": b.micro,
                                      "kind": b.kind, "primitive": b.op, "forward_op": b.forward_op,
-                                     "custom_function": b.custom_function, "where_branch": b.where_branch},
+                                     "custom_function": b.custom_function, "where_branch": b.where_branch,
+                                     "samples": b.samples},
                   Facts("backward", b.op, b.kind, b.inputs, b.output, node=b.autograd_node,
                         forward_op=b.forward_op, custom_function=b.custom_function,
                         where_branch=b.where_branch, zero_grad=recipe.zero_grad),
@@ -319,7 +324,10 @@ def _optimizer(step: int, ev: dict[str, Any], recipe: Recipe, tracer: Tracer, ba
     named = [t.partition(":")[0] for t in (b.tensor_names if b else []) if not t.endswith(".grad")]
     params = list(dict.fromkeys([n for n in named if n in dict(recipe.model.named_parameters())]
                                 + bad_params + [n for n, _ in bad_state]))
-    module, mtype = _owner(recipe, params[0]) if params else (None, None)
+    # The culprit is the optimizer's arithmetic, not the module owning the parameter: naming that
+    # module sent users into the model's code. The owners stay in evidence.
+    ev["parameter_modules"] = list(dict.fromkeys(m for m in (_owner(recipe, n)[0] for n in params[:16])
+                                                 if m is not None))
     eps_lost, state_ev = False, []
     pmap = dict(recipe.model.named_parameters())
     group_of = {id(p): g for g in recipe.optimizer.param_groups for p in g["params"]}
@@ -347,7 +355,8 @@ def _optimizer(step: int, ev: dict[str, Any], recipe: Recipe, tracer: Tracer, ba
     return _found(step, "optimizer", ev, Facts("optimizer", b.op if b else None, b.kind if b else None,
                                                b.inputs if b else [], b.output if b else {},
                                                eps_lost=eps_lost and entry is not None, state_entry=entry),
-                  module=module, module_type=mtype, where=f"optimizer step ({type(recipe.optimizer).__name__})",
+                  module=None, module_type=type(recipe.optimizer).__name__,
+                  where=f"optimizer step ({type(recipe.optimizer).__name__})",
                   op=b.op if b else None, parameters=params)
 
 

@@ -71,6 +71,8 @@ class Birth:
         inputs, output: :func:`tensor_stats` of the op's tensor inputs (first four) and output.
         scalars: non-tensor numeric arguments.
         tensor_names: names of parameters / gradients / optimizer state among the op's tensors.
+        samples: for an output whose first dimension is the batch's (:attr:`Tracer.batch_rows`),
+            the rows (samples of the batch) holding a non-finite value, at most 64; else None.
     """
 
     index: int
@@ -91,13 +93,14 @@ class Birth:
     where_branch: bool = False
     masked: bool = False
     root: int = 0
+    samples: list[int] | None = None
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready short form for evidence."""
         return {"phase": self.phase, "kind": self.kind, "op": self.op, "module": self.module,
                 "autograd_node": self.autograd_node, "forward_op": self.forward_op,
                 "custom_function": self.custom_function, "where_branch": self.where_branch,
-                "masked": self.masked, "micro_batch": self.micro,
+                "masked": self.masked, "micro_batch": self.micro, "samples": self.samples,
                 "inputs": self.inputs, "output": self.output, "tensors": self.tensor_names}
 
 
@@ -221,6 +224,9 @@ class Tracer:
         self.max_births = max_births
         self.phase = "forward"
         self.micro = -1
+        #: The batch's size (first dimension of its tensors), when they agree: an op output of
+        #: that first dimension is batch-major, and a birth names its non-finite rows.
+        self.batch_rows: int | None = None
         self.births: list[Birth] = []
         self.calls: list[ModuleCall] = []
         self.op_count = 0
@@ -349,10 +355,26 @@ class Tracer:
         if mtype is None and module is not None and module.startswith("<"):
             mtype = module.strip("<>")
         self.births.append(Birth(
+            samples=self._rows(out, names, node_name),
             index=self.op_count, phase=self.phase, kind=kind, op=op, module=module, module_type=mtype,
             call=call, micro=max(self.micro, 0), autograd_node=node_name, inputs=in_stats,
             output=tensor_stats(out), scalars=scalars[:4], tensor_names=names, forward_op=fwd_op,
             custom_function=custom, where_branch=where_branch))
+
+    def _rows(self, out: torch.Tensor, names: list[str], node_name: str | None) -> list[int] | None:
+        """Rows of a batch-major ``out`` holding NaN/Inf; None for a parameter, its gradient or
+        optimizer state (a first dimension equal to the batch size there is a coincidence)."""
+        B = self.batch_rows
+        if (B is None or out.dim() == 0 or out.shape[0] != B or names or self.phase not in ("forward", "backward")
+                or (node_name is not None and "AccumulateGrad" in node_name)):
+            return None
+        bad = ~torch.isfinite(out.detach())
+        return bad.reshape(B, -1).any(dim=1).nonzero().flatten()[:64].tolist()
+
+    def set_batch(self, batch: Any) -> None:
+        """Take :attr:`batch_rows` from ``batch``'s tensors (None when their first dimensions differ)."""
+        dims = {t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim()}
+        self.batch_rows = dims.pop() if len(dims) == 1 else None
 
     # ------------------------------------------------------------------ lifetime
     def __enter__(self) -> "Tracer":

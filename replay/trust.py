@@ -22,7 +22,7 @@ from typing import Any, Callable
 from sentineld.contracts.errors import BadInput
 from sentineld.contracts.trust import UntrustedError, check_owned, install_import_guard
 
-__all__ = ["UntrustedError", "RecipeError", "check_owned", "load_recipe_factory", "trust_given"]
+__all__ = ["UntrustedError", "RecipeError", "check_owned", "load_recipe_factory", "recipe_files", "trust_given"]
 
 log = logging.getLogger("sentineld.replay")
 
@@ -54,6 +54,18 @@ def _module_files(cwd: Path, module: str) -> list[Path]:
     return files
 
 
+def recipe_files(module: str, cwd: Path) -> list[Path]:
+    """The files whose ownership is checked before ``module`` is imported from ``cwd``: its files
+    under ``cwd`` (package ``__init__.py`` files along the path and the module), the folders holding
+    them (whoever can write there can swap the files) and their ``__pycache__`` with the bytecode
+    (a .pyc compiled with an unchecked hash runs without its source being looked at)."""
+    mod_files = _module_files(cwd, module)
+    dirs = list(dict.fromkeys(f.parent for f in mod_files))
+    caches = [d / "__pycache__" for d in dirs if (d / "__pycache__").is_dir()]
+    cached = [c for d in caches for c in d.glob("*.pyc")]
+    return mod_files + dirs + caches + cached
+
+
 def load_recipe_factory(recipe: str, cwd: str, *, trust: bool, named_by: list[Path]) -> Callable[[], Any]:
     """Import ``module:function`` from ``cwd`` after the ownership checks; return the function.
 
@@ -67,16 +79,12 @@ def load_recipe_factory(recipe: str, cwd: str, *, trust: bool, named_by: list[Pa
         UntrustedError: a checked file is not safely ours.
         RecipeError: the module or function cannot be imported.
     """
-    mod_name, _, fn_name = recipe.partition(":")
+    mod_name, colon, fn_name = recipe.partition(":")
+    if not colon or not mod_name or not fn_name:
+        raise RecipeError(f"recipe {recipe!r} must be 'module:function' (for a function make_recipe in "
+                          f"train.py: 'train:make_recipe'; here, say '{mod_name or recipe}:make_recipe')")
     cwd_path = Path(cwd)
-    mod_files = _module_files(cwd_path, mod_name)
-    # The folders holding the module files too: whoever can write there can swap the files.
-    dirs = list(dict.fromkeys(f.parent for f in mod_files))
-    # Bytecode runs too: a .pyc compiled with an unchecked hash is used without looking at the
-    # source, so its folder and files must be as safe as the source.
-    caches = [d / "__pycache__" for d in dirs if (d / "__pycache__").is_dir()]
-    cached = [c for d in caches for c in d.glob("*.pyc")]
-    files = mod_files + dirs + caches + cached + list(named_by)
+    files = recipe_files(mod_name, cwd_path) + list(named_by)
     _TRUST.set(trust)
     if trust:
         log.warning("sentineld: --trust given: importing %s without ownership checks", recipe)

@@ -220,6 +220,9 @@ def runs(runs_dir: str | None, state_dir: str | None, as_json: bool) -> None:
     from sentineld.daemon.runwatch import RunWatch  # noqa: PLC0415
 
     rd = Path(runs_dir) if runs_dir else load_config().runs_dir
+    if runs_dir is not None and not rd.is_dir():  # an explicit folder that is not there: say so, exit 2
+        fail(f"runs dir {rd} {'is not a directory' if rd.exists() else 'does not exist'}: pass the folder "
+              "the agent writes to (attach(runs_dir=...) or $SENTINELD_RUNS_DIR)")
     rows: list[dict[str, Any]] = []
     for d in sorted(p for p in rd.iterdir() if p.is_dir() and not p.is_symlink()) if rd.is_dir() else []:
         try:  # one damaged run is shown with its error; it never hides the others
@@ -237,7 +240,9 @@ def runs(runs_dir: str | None, state_dir: str | None, as_json: bool) -> None:
                          "last_step": rw.last_step,
                          "state": ",".join(sorted(set(rw.ended.values()))) or ("running" if rw.ranks else "-"),
                          "nonfinite_steps_in_window": nonfinite,
-                         "captures": [p.name for *_x, p in list_captures(d)], "error": err or rw.error})
+                         "captures": [p.name for *_x, p in list_captures(d)], "error": err or rw.error,
+                         "metrics_port": (meta.extra.get("metrics_port") if meta and isinstance(meta.extra, dict)
+                                          else None)})
         except Exception as exc:  # noqa: BLE001 - whatever another process left there
             rows.append({"run_id": d.name, "dir": str(d), "ranks": [], "last_step": None, "state": "-",
                          "nonfinite_steps_in_window": 0, "captures": [],
@@ -251,10 +256,10 @@ def runs(runs_dir: str | None, state_dir: str | None, as_json: bool) -> None:
 
     con = console()
     con.print(f"runs in {rd}", markup=False)  # a line of its own: a table title is cut to the table's width
-    t = Table("run", "ranks", "last step", "state", "captures", "error")
+    t = Table("run", "ranks", "last step", "state", "captures", "metrics port", "error")
     for r in rows:
         t.add_row(r["run_id"], ",".join(map(str, r["ranks"])), str(r["last_step"]), r["state"],
-                  str(len(r["captures"])), (r["error"] or "")[:60])
+                  str(len(r["captures"])), str(r.get("metrics_port") or "-"), (r["error"] or "")[:60])
     con.print(t)
 
 

@@ -71,13 +71,19 @@ def tensor_stats_text(s: Mapping[str, Any] | None) -> str:
 def _title(r: Mapping[str, Any]) -> str:
     run, step, phase = r.get("run_id", "?"), r.get("step", "?"), r.get("phase", "none")
     module = r.get("module")
+    if phase == "none" and (r.get("evidence") or {}).get("mode") == "forward_only":
+        # Only the forward was run: "every value finite" would deny the recorded NaN loss.
+        return (f"[sentineld] forward-only replay of run {run} step {step}: the model's forward is finite; "
+                "loss, backward and optimizer step not checked")
     if phase == "none":
         return f"[sentineld] replay of run {run} step {step}: every value finite"
     ranks = r.get("ranks") or []
     if phase == "data":
         on = f" on rank {', '.join(map(str, ranks))}" if ranks else ""
         return f"[sentineld] replay of run {run} step {step}: non-finite input data{on}"
-    where = f", module {module}" if module else (f", in the {r['where']}" if r.get("where") else "")
+    where_text = str(r.get("where") or "")
+    where = f", module {module}" if module else (
+        f", in {where_text}" if where_text.startswith("the ") else f", in the {where_text}" if where_text else "")
     if ranks and phase != "optimizer":  # a data-parallel run: where it was born (an optimizer fault is on all)
         where += f", rank {', '.join(map(str, ranks))}"
     return f"[sentineld] replay of run {run}: step {step} went non-finite in {phase}{where}"
@@ -106,6 +112,9 @@ def _evidence_lines(r: Mapping[str, Any]) -> list[str]:
     if ev.get("op_inputs") is not None and r.get("op") and r.get("op") != "lr":
         out.append(f"op inputs: {'; '.join(tensor_stats_text(s) for s in ev['op_inputs']) or '-'}")
         out.append(f"op output: {tensor_stats_text(ev.get('op_output'))}")
+        if r.get("phase") in ("forward", "backward") and ev.get("samples"):
+            out.append(f"samples: {ev['samples']} (rows of the batch whose output went non-finite here: "
+                       "look at these records)")
     if ev.get("state_entry"):
         eps = ev.get("eps")
         out.append(f"optimizer state: {ev['state_entry']}" + (
@@ -125,13 +134,16 @@ def _evidence_lines(r: Mapping[str, Any]) -> list[str]:
                    f"{ddp.get('ranks_used')}"
                    + (f", missing {ddp.get('missing_ranks')} (partial)" if ddp.get("partial") else "")
                    + (f", loss tolerance {_fmt(tol)}" if tol else ""))
+    forward_only = ev.get("mode") == "forward_only"
     if r.get("phase") == "none":
         out.append(f"recorded run non-finite here: {r.get('recorded_nonfinite')}")
-    if ev.get("warning"):
+    if ev.get("warning") and not forward_only:  # a forward-only warning says what "not checked" says
         out.append(f"warning: {ev['warning']}")
     if ev.get("not_checked"):  # a forward-only verdict (no loss_fn, no recipe)
-        out.append(f"not checked: {', '.join(map(str, ev['not_checked']))}; to check them, "
-                   f"{ev.get('how_to_enable', '')}")
+        how = ev.get("how_to_enable", "")
+        said = how and how in str(r.get("fix") or "")  # each sentence once
+        out.append(f"not checked: {', '.join(map(str, ev['not_checked']))}"
+                   + ("" if said or not how else f"; to check them, {how}"))
     return out
 
 

@@ -238,6 +238,11 @@ def resolve_run(run: str, runs_dir: str | os.PathLike[str] | None) -> Path:
     except OSError as exc:  # a name over the OS limit (ENAMETOOLONG), a folder we may not enter
         raise RunDirError(f"no run {run[:80]!r}{'...' if len(run) > 80 else ''}: {exc.strerror or exc}; "
                           "pass a run directory or a run id (list them with `sentineld runs`)") from None
+    if p.is_absolute() or os.sep in run or run.startswith("."):
+        # A path was meant: speak of that path, not of the runs dir it was never looked up in.
+        what = "is not a directory" if p.exists() else "does not exist"
+        raise RunDirError(f"run directory {run} {what}: pass an existing run directory or a run id "
+                          "(list them with `sentineld runs`)")
     where = f" under {runs_dir}" if runs_dir else ""
     raise RunDirError(f"no run {run!r}{where}: pass a run directory or a run id "
                       "(list them with `sentineld runs`)")

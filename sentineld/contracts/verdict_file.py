@@ -19,9 +19,12 @@ from .triggers import CRASH, NONFINITE
 
 __all__ = ["verdict_path", "write_verdict", "LOCALIZE_MODES", "LOCALIZED_TRIGGERS"]
 
-#: ``attach(localize=)`` values: ``thread`` localizes in a background thread of the training
-#: process; ``off`` leaves it to the daemon's replay (which needs a recipe).
-LOCALIZE_MODES = ("thread", "off")
+#: ``attach(localize=)`` values: ``process`` localizes in a child process started by the training
+#: process (rebuilt from the run's recorded live objects: a ``loss_fn`` that holds the GIL or hangs
+#: cannot stall training); ``thread`` in a background thread of the training process; ``auto``
+#: (the default) is ``process`` when the live objects can be rebuilt, else ``thread``; ``off``
+#: leaves it to the daemon's replay. run.json records the mode chosen.
+LOCALIZE_MODES = ("auto", "process", "thread", "off")
 #: Capture triggers the training process localizes (a manual capture is a checkpoint).
 LOCALIZED_TRIGGERS = (NONFINITE, CRASH)
 

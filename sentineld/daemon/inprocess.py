@@ -79,7 +79,8 @@ class InProcessVerdicts:
 
     def _fallback(self, meta: RunMeta, key: str, reason: str) -> tuple[str, ReplayOutcome | None]:
         self.first_seen.pop(key, None)
-        if meta.recipe:
+        # A loss_fn run's recorded live objects replay like a recipe (sentineld.replay.live_recipe).
+        if meta.recipe or (isinstance(meta.extra, dict) and isinstance(meta.extra.get("live_recipe"), dict)):
             return "spawn", None
         return "deliver", ReplayOutcome("failed", None, reason + "; the run named no recipe, so the "
                                         "daemon cannot replay it (pass recipe= to attach)", 0.0, None)

@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import sys
 from typing import Any, Callable
 
@@ -48,8 +49,11 @@ def _call(spec: str, trust: bool, what: str) -> Any:
     try:
         fn: Callable[[], Any] = load_recipe_factory(spec, os.getcwd(), trust=trust, named_by=[])
     except (RecipeError, UntrustedError) as exc:
-        _bad(str(exc).replace("Run the replay where the training code is, or pass --recipe",
-                              "run preflight in the directory holding the module"))
+        text = str(exc).replace("Run the replay where the training code is, or pass --recipe",
+                                "run preflight in the directory holding the module")
+        if what != "the recipe":  # the --data function: say "data function", not "recipe"
+            text = re.sub(r"\brecipe\b", what.removeprefix("the "), text, count=1)
+        _bad(text)
     try:
         with contextlib.redirect_stdout(sys.stderr):
             return fn()

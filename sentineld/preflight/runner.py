@@ -13,6 +13,7 @@ import torch
 from .context import Probe, StepFn, copy_pair, default_step, rng_guard, slice_batch, split_batch
 from .data_checks import check_inputs, check_labels
 from .grad_checks import check_gradcheck, check_gradient_flow, check_gradients_applied
+from .heldout import check_heldout
 from .loss_checks import check_initial_loss, check_output_vs_loss, check_shapes
 from .lossinfo import loss_info
 from .result import FAIL, SKIP, Check
@@ -149,7 +150,8 @@ def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
             ("shapes", lambda: check_shapes(_need(trace))),
             ("gradcheck", lambda: check_gradcheck(_need(trace))),
             ("dead_units", lambda: check_dead_units(_need(trace))),
-            ("overfit_one_batch", lambda: check_overfit(probe, overfit_steps))]
+            ("overfit_one_batch", lambda: check_overfit(probe, overfit_steps)),
+            ("heldout", lambda: check_heldout(probe))]
         if lr_range:
             steps.append(("lr_range", lambda: check_lr_range(probe, lr_plot)))
         checks = _run_in_order(steps)

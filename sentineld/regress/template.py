@@ -1,60 +1,66 @@
-"""The text of the pytest file ``sentineld regress`` writes (a template filled with the run's facts)."""
+"""The text of the pytest file ``sentineld regress`` writes, and the JSON sidecar it reads.
+
+The test file is constant text except one name: its sidecar's file name, a ``repr``-quoted string
+of ``[A-Za-z0-9_.]`` checked by parsing the result (:func:`render_test`). Everything about the run
+(recipe, its arguments, the project folder, steps, threads) is in the sidecar JSON, read by
+:func:`sentineld.regress.assert_steps_finite` when the test runs, so no value of the run ever
+becomes Python source (a recipe string holding ``\"\"\"`` and a statement stays a string).
+"""
 
 from __future__ import annotations
 
-import json
-from string import Template
+import ast
+import re
 
-__all__ = ["render_test"]
+__all__ = ["render_test", "SIDECAR_NAME"]
 
-_TEST = Template('''"""Regression test for run $run_id, step $step, written by `sentineld regress`.
+#: What a sidecar's file name may hold (the slug of a run id, a step number, the suffix).
+SIDECAR_NAME = re.compile(r"[A-Za-z0-9_.]{1,200}\.json")
 
-The fixture $fixture holds the captured training state before step $snapshot_step (model,
-optimizer, scheduler, scaler) and the batches and RNG states of steps $snapshot_step..$step. The
-test rebuilds the model through the recipe $recipe, loads that state and re-runs those steps;
-every one must stay finite: the loss, the gradients after the backward pass and the parameters
-after the optimizer step. On the code that ran the incident it fails by step $step; once the bug
-is fixed it passes. Run it with pytest from the project's working directory. It imports only
-sentineld.regress.assert_steps_finite, the stable name of that check.
+_HEAD = '''"""Regression test written by `sentineld regress`: a captured training incident must not come back.
 
-HYPERPARAMETERS: "capture" keeps the optimizer settings (lr, eps, betas, ...) that were in effect
-when the state was captured; set it to "recipe" when the fix is a change of those settings in the
-recipe, so the rebuilt optimizer's own settings are used.
+The JSON file named below (next to this file) says which run and step this guards and how to
+rebuild the model (the recipe, or the model, optimizer and loss_fn the run recorded); the HDF5
+fixture next to it holds the training state before the first replayed step and the batches and
+RNG states up to the offending one. The test rebuilds the model, loads that state and re-runs those
+steps: each must stay finite (the loss, the gradients after backward, the parameters after the
+optimizer step). It fails on the code that ran the incident and passes once the bug is fixed.
+
+Moving it: keep the .py, .json and .h5 files together. The project's code is found at "code_root"
+in the JSON, a path relative to this file's folder (written as the run's working directory as
+seen from here); after moving the files elsewhere in the repository, edit "code_root", or set
+SENTINELD_REGRESS_ROOT to the project folder (CI: the checkout's root).
+
+HYPERPARAMETERS: "capture" keeps the optimizer settings (lr, eps, betas, ...) in effect when the
+state was captured; set "recipe" when the fix is a change of those settings, so the rebuilt
+optimizer's own are used.
 """
 
-import json
 from pathlib import Path
 
 from sentineld.regress import assert_steps_finite
 
-FIXTURE = Path(__file__).with_name($fixture_repr)
-RECIPE = $recipe_repr
-RECIPE_ARGS = json.loads($args_repr)
-RUN_CWD = $cwd_repr
-SNAPSHOT_STEP = $snapshot_step
-STEP = $step
-NUM_THREADS = $num_threads
-HYPERPARAMETERS = "capture"
+'''
+
+_TAIL = '''HYPERPARAMETERS = "capture"
 
 
-def test_run_${slug}_step_${step}_stays_finite():
-    assert_steps_finite(FIXTURE, recipe=RECIPE, recipe_args=RECIPE_ARGS, cwd=RUN_CWD,
-                        snapshot_step=SNAPSHOT_STEP, step=STEP, num_threads=NUM_THREADS,
-                        hyperparameters=HYPERPARAMETERS)
-''')
+def test_captured_step_stays_finite():
+    assert_steps_finite(SIDECAR, hyperparameters=HYPERPARAMETERS)
+'''
 
 
-def render_test(*, run_id: str, slug: str, step: int, snapshot_step: int, fixture: str, recipe: str,
-                recipe_args: dict, cwd: str, num_threads: int) -> str:
-    """The pytest file's text.
+def render_test(sidecar: str) -> str:
+    """The pytest file's text for the sidecar file ``sidecar`` (a name, next to the test).
 
-    Args:
-        slug: ``run_id`` as a Python identifier fragment (the test function's name).
-        fixture: the fixture's file name, next to the test file.
-        recipe: ``module:function``; recipe_args: its JSON keyword arguments; cwd: the run's
-            working directory (also put on ``sys.path``); num_threads: the run's torch threads.
+    Raises:
+        ValueError: ``sidecar`` is not a plain file name (:data:`SIDECAR_NAME`), or the text does
+            not parse back to that one literal (never interpolated code).
     """
-    return _TEST.substitute(
-        run_id=run_id, slug=slug, step=step, snapshot_step=snapshot_step, fixture=fixture,
-        fixture_repr=repr(fixture), recipe=recipe, recipe_repr=repr(recipe),
-        args_repr=repr(json.dumps(recipe_args)), cwd_repr=repr(cwd), num_threads=int(num_threads))
+    if not SIDECAR_NAME.fullmatch(sidecar):
+        raise ValueError(f"sidecar name {sidecar!r} must match {SIDECAR_NAME.pattern}")
+    text = _HEAD + f"SIDECAR = Path(__file__).with_name({sidecar!r})\n" + _TAIL
+    consts = [n.value for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    if sidecar not in consts:
+        raise ValueError("the rendered test does not hold the sidecar name as a literal")
+    return text

@@ -24,17 +24,23 @@ from . import data as d
 __all__ = ["capture_activations"]
 
 
-def _recipe(spec: str, meta: RunMeta, cap_path: Path, run_dir: Path, trust: bool) -> Recipe:
+def _recipe(meta: RunMeta, cap_path: Path, run_dir: Path, trust: bool) -> Recipe:
     from sentineld.contracts.trust import check_import_path  # noqa: PLC0415
     from sentineld.replay.trust import load_recipe_factory  # noqa: PLC0415
 
     if not trust:  # the replay's checks: the import path first, then the recipe's own files
         check_import_path()
+    from sentineld.replay.live_recipe import recipe_of  # noqa: PLC0415
+
+    found = recipe_of(meta)
+    if found is None:
+        raise ValueError("the run recorded no recipe and no loss_fn")
+    spec, args = found
     fn = load_recipe_factory(spec, meta.cwd, trust=trust,
                              named_by=[p for p in (run_dir / "run.json", cap_path) if p.exists()])
-    rec = fn(**meta.recipe_args)
+    rec = fn(**args)
     if not isinstance(rec, Recipe):
-        raise TypeError(f"recipe {meta.recipe} returned {type(rec).__name__}, not sentineld.recipe.Recipe")
+        raise TypeError(f"recipe {spec} returned {type(rec).__name__}, not sentineld.recipe.Recipe")
     return rec
 
 
@@ -69,24 +75,34 @@ def capture_activations(run_dir: Path, meta: RunMeta, cap_path: Path, trust: boo
         module order, and a sentence saying what was run, or why nothing could be (no recipe, an
         untrusted or failing recipe); never raises for the user's code.
     """
-    if not meta.recipe:
-        return [], ("activations unavailable: the run recorded no recipe (attach(..., recipe="
-                    "'module:function')) to run the captured batch through")
-    from sentineld.replay.rebuild import load_snapshot, torch_globals  # noqa: PLC0415
+    from sentineld.replay.live_recipe import recipe_of  # noqa: PLC0415
+
+    found = recipe_of(meta)
+    if found is None:
+        return [], ("activations unavailable: the run recorded neither a recipe nor a loss_fn (attach(..., "
+                    "loss_fn=...) or recipe='module:function') to run the captured batch through")
+    from sentineld.replay.rebuild import load_snapshot, rebuild, torch_globals  # noqa: PLC0415
 
     try:
         with open_capture(cap_path) as cap:
-            s = cap.snapshot_step
-            st = cap.step(s)
+            s, n = cap.snapshot_step, cap.first_step
             snap = cap.snapshot()
-        flags = meta.extra.get("torch_flags") if isinstance(meta.extra, dict) else None
-        with torch_globals(meta.num_threads, flags if isinstance(flags, dict) else None):
-            rec = _recipe(meta.recipe, meta, cap_path, run_dir, trust)
-            load_snapshot(rec, snap)
-            outs = _forward(rec, st.batch, st.rng)
+            losses = {int(r["step"]): float(r["loss"]) for r in cap.records()
+                      if isinstance(r, dict) and "step" in r and isinstance(r.get("loss"), (int, float))}
+            flags = meta.extra.get("torch_flags") if isinstance(meta.extra, dict) else None
+            with torch_globals(meta.num_threads, flags if isinstance(flags, dict) else None):
+                rec = _recipe(meta, cap_path, run_dir, trust)
+                load_snapshot(rec, snap)
+                # The incident's own batch on the state before it: steps S..N-1 re-executed first,
+                # so the culprit's output is what the offending step computed.
+                rebuild(rec, range(s, n), lambda k: (cap.step(k).batch, cap.step(k).rng), losses)
+                st = cap.step(n)
+                outs = _forward(rec, st.batch, st.rng)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code can raise anything
         return [], f"activations unavailable: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
     hists = [d.hist(name, t.numpy(), "float32") for name, t in list(outs.items())[:d.MAX_HISTS]]
-    note = (f"outputs of {len(outs)} leaf modules in one forward of step {s}'s batch from the snapshot "
-            f"(the state before step {s}), through recipe {meta.recipe}")
+    how = "the run's recorded model and loss_fn" if found[0].startswith("sentineld.replay.live_recipe") \
+        else f"recipe {found[0]}"
+    note = (f"outputs of {len(outs)} leaf modules in one forward of the incident step {n}'s batch, on the state "
+            f"before step {n} (snapshot {s} and steps {s}..{n - 1} re-executed), through {how}")
     return hists, note

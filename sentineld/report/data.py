@@ -183,7 +183,20 @@ def layer_grid(records: Sequence[StepRecord], stat: str, limit: int = MAX_COLUMN
 
 def dead_or_saturated_grid(records: Sequence[StepRecord], limit: int = MAX_COLUMNS) -> LayerGrid:
     """One grid of the share (0-1) of dead units (ReLU family) or saturated units (Tanh, Sigmoid)
-    per activation module; a module reports one of the two (see ``agent/probes.py``)."""
+    per activation module; a module reports one of the two (see ``agent/probes.py``). At a step
+    whose loss is non-finite the shares are marked non-finite: NaN activations count as neither
+    positive nor unsaturated, so the agent's shares read 100 % there, which is not a dead layer."""
+    grid = _dead_or_saturated(records, limit)
+    bad_steps = {r.step for r in records if not math.isfinite(_num(r.loss))}
+    cols = np.isin(grid.steps, sorted(bad_steps))
+    if cols.any() and grid.values.size:
+        vals = grid.values.copy()
+        vals[:, cols] = np.where(grid.missing[:, cols], vals[:, cols], np.nan)
+        grid = LayerGrid(grid.name, grid.modules, grid.steps, vals, grid.missing, grid.total_modules)
+    return grid
+
+
+def _dead_or_saturated(records: Sequence[StepRecord], limit: int) -> LayerGrid:
     dead = layer_grid(records, "dead_fraction", limit)
     sat = layer_grid(records, "saturated_fraction", limit)
     if not sat.modules:

@@ -19,7 +19,7 @@ matplotlib.use("Agg")  # no display: the report is written by a CLI or a daemon
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib import colors
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter, SymmetricalLogLocator
 
 from .data import Curves, Hist, LayerGrid, Marker
 
@@ -51,12 +51,29 @@ def _markers(ax: plt.Axes, markers: Sequence[Marker], labelled: set[str]) -> Non
         ax.axvline(m.step, label=label, **style)
 
 
+def _scale(ax: plt.Axes, vals: np.ndarray) -> None:
+    """A log axis for values spanning decades (losses of 1e-8..0.6 read as a flat zero on a
+    linear one): ``log`` when all are positive, ``symlog`` (linear below the smallest positive
+    value) when some are 0 or negative; at most ~6 labelled decades, no minor labels."""
+    v = vals[np.isfinite(vals)]
+    pos = v[v > 0]
+    if pos.size < 2 or pos.max() / pos.min() <= 50:
+        return
+    if (v > 0).all():
+        ax.set_yscale("log")
+    else:
+        ax.set_yscale("symlog", linthresh=float(pos.min()))
+    ax.yaxis.set_major_locator(LogLocator(base=10, numticks=6) if (v > 0).all()
+                               else SymmetricalLogLocator(base=10, linthresh=float(pos.min())))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
 def _panel(ax: plt.Axes, steps: np.ndarray, y: np.ndarray, present: np.ndarray, title: str) -> None:
     ok = present & np.isfinite(y)
     bad = present & ~np.isfinite(y)
     ax.plot(steps[ok], y[ok], lw=1.0, color="#1f77b4")
-    if ok.any() and (y[ok] > 0).all() and y[ok].max() / max(y[ok].min(), 1e-300) > 50:
-        ax.set_yscale("log")  # losses and norms spanning decades
+    if ok.any():
+        _scale(ax, y[ok])  # losses and norms spanning decades
     if bad.any():
         ax.plot(steps[bad], np.full(bad.sum(), 0.97), "x", color="#d62728", ms=7, mew=2,
                 transform=ax.get_xaxis_transform(), label="non-finite", clip_on=False)
@@ -136,6 +153,9 @@ def hists_svg(hs: Sequence[Hist], title: str, name: str) -> str:
     for ax, h in zip(axes.flat, hs):
         if h.values.size:
             ax.hist(h.values, bins=50, color="#1f77b4", log=True)
+            # Decades only: minor labels (6x10^0, 4x10^0, ...) crowd a small panel.
+            ax.yaxis.set_major_locator(LogLocator(base=10, numticks=4))
+            ax.yaxis.set_minor_formatter(NullFormatter())
         label = f"{h.name}\n{list(h.shape)} {h.dtype}"
         if h.nonfinite:
             label += f"\n{h.nonfinite} non-finite of {h.numel}"
@@ -186,6 +206,7 @@ def replay_losses_svg(rebuilt: dict[int, float], recorded: dict[int, float]) -> 
     if bad:
         ax.plot(bad, [0.97] * len(bad), "X", color="#d62728", ms=9, transform=ax.get_xaxis_transform(),
                 label="non-finite (replayed)")
+    _scale(ax, np.array([rebuilt[s] for s in steps] + [recorded[s] for s in rs], dtype=float))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("loss")

@@ -14,6 +14,8 @@ import math
 from html import escape
 from typing import Any
 
+from sentineld.contracts.render import tensor_stats_text
+
 from . import figures as f
 from .counterfactual import spike_head, spike_rows, what_if_html
 from .data import ReportData, alert_rows
@@ -134,7 +136,10 @@ def _verdict(r: ReportData, plots: list[str]) -> str:
     where = f" in {v.get('phase')}" + (f", module {v['module']} ({v.get('module_type')})" if v.get("module")
                                        else f", {v['where']}" if v.get("where") else "")  # module null: say where
     op = f", op {v['op']}" if v.get("op") else ""
-    head = (f"step {v.get('step')}: every value finite" if v.get("phase") == "none"
+    forward_only = (v.get("evidence") or {}).get("mode") == "forward_only"
+    head = (f"step {v.get('step')}: the model's forward is finite (loss, backward and optimizer step not checked)"
+            if v.get("phase") == "none" and forward_only
+            else f"step {v.get('step')}: every value finite" if v.get("phase") == "none"
             else f"step {v.get('step')}: first non-finite value made{where}{op}")
     if v.get("kind") == "spike":
         head = spike_head(v)
@@ -142,8 +147,15 @@ def _verdict(r: ReportData, plots: list[str]) -> str:
     rows = [*(spike_rows(v) if v.get("kind") == "spike" else []),
             ("reproduced", f"{v.get('reproduced')} (max loss deviation {_fmt(v.get('max_loss_deviation'))} "
                            f"over {v.get('steps_rebuilt')} rebuilt steps)"),
-            ("parameters", ", ".join(v.get("parameters") or []) or "-"),
-            ("likely cause", v.get("cause", "")), ("fix", v.get("fix", ""))]
+            ("parameters", ", ".join(v.get("parameters") or []) or "-")]
+    ev0 = v.get("evidence") or {}
+    if ev0.get("op_inputs") is not None and v.get("op") and v.get("op") != "lr":
+        # The notification's one-line summaries, not only the raw JSON below.
+        rows += [("op inputs", "; ".join(tensor_stats_text(x) for x in ev0["op_inputs"]) or "-"),
+                 ("op output", tensor_stats_text(ev0.get("op_output")))]
+    if ev0.get("samples"):
+        rows.append(("samples", f"{ev0['samples']} (rows of the batch that went non-finite first)"))
+    rows += [("likely cause", v.get("cause", "")), ("fix", v.get("fix", ""))]
     out.append("<table>" + "".join(f"<tr><td>{escape(k)}</td><td>{escape(str(x))}</td></tr>" for k, x in rows)
                + "</table>")
     out.append(what_if_html(v))

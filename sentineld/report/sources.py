@@ -78,6 +78,9 @@ def read_verdict(path: Path) -> dict[str, Any]:
     """
     try:
         obj = read_json(path, MAX_VERDICT_FILE_BYTES)
+    except UnicodeDecodeError:  # a binary file (an .h5 capture given by mistake): name it
+        raise ValueError(f"{path}: not a verdict (a binary file, not JSON text); pass the JSON of "
+                         "`sentineld replay --json` or a daemon replays/*.json record") from None
     except ValueError as exc:
         raise ValueError(f"{path}: not JSON ({exc})") from None
     v = _verdict_of(obj)

@@ -61,7 +61,7 @@ EXPECTED: dict[str, tuple[str, str | None, str | None, str | None]] = {
     "data": ("data", None, None, None),
     "forward": ("forward", "fc1", "aten.addmm", None),
     "backward": ("backward", "norm", "aten.sqrt", "SqrtBackward0"),  # the forward op; primitive in evidence
-    "optimizer": ("optimizer", "fc1", "aten.addcmul_", None),
+    "optimizer": ("optimizer", None, "aten.addcmul_", None),  # the optimizer's arithmetic, module null
     "lossonly": ("forward", None, "aten.log", None),  # outside the model: module null, `where` says so
 }
 
@@ -72,7 +72,9 @@ def _check(report: Any, fault: str, world: int, fault_rank: int) -> None:
         report.to_json()[:3000]
     ranks = list(range(world)) if fault == "optimizer" else [fault_rank]
     assert report.ranks == ranks and report.rank == ranks[0]
-    if module is None and phase != "data":
+    if module is None and phase == "optimizer":
+        assert report.where == "optimizer step (Adam)" and report.evidence["parameter_modules"][0] == "fc1"
+    elif module is None and phase != "data":
         assert report.where and "outside the model" in report.where, report.where
     if fault == "backward":
         assert report.evidence["primitive"] == "aten.div"

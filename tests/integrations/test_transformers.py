@@ -27,7 +27,7 @@ CASES = {
     # The model class is the script's own (__main__), loaded from the script by the replay.
     "backward-accum2-script": ("backward:2", (STEP, "backward", "root", "Root", "aten.sqrt", True)),
     # adam_epsilon=0: the parameters whose gradient is exactly 0 get 0/0 at the first step.
-    "optimizer": ("optimizer:1", (1, "optimizer", "bert.embeddings.position_embeddings", "Embedding",
+    "optimizer": ("optimizer:1", (1, "optimizer", None, "AdamW",
                                   "aten._fused_adamw_", True)),
 }
 

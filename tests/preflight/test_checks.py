@@ -258,7 +258,7 @@ def test_labels_out_of_range_block_the_later_checks_instead_of_failing_each_with
     assert checks["inputs"].status == PASS  # ran: it does not touch the loss
     blocked = [n for n, c in checks.items() if c.status == SKIP]
     assert blocked == ["output_vs_loss", "initial_loss", "gradient_flow", "gradients_applied", "shapes",
-                       "gradcheck", "dead_units", "overfit_one_batch"]
+                       "gradcheck", "dead_units", "overfit_one_batch", "heldout"]
     for n in blocked:
         assert checks[n].evidence["blocked_by"] == "labels"
         assert "Target 5 is out of bounds" in checks[n].evidence["error"]

@@ -11,7 +11,7 @@ from sentineld.preflight import FAIL, PASS, check
 from tests.preflight.zoo import HEALTHY, PLANTED, Case
 
 ORDER = ["labels", "inputs", "output_vs_loss", "initial_loss", "gradient_flow", "gradients_applied",
-         "shapes", "gradcheck", "dead_units", "overfit_one_batch"]
+         "shapes", "gradcheck", "dead_units", "overfit_one_batch", "heldout"]
 
 
 def _run(case: Case, **kw):
@@ -36,7 +36,7 @@ def test_healthy_model_gets_no_fail(case: Case, tmp_path) -> None:
     assert [c for c in result if c.status == FAIL] == []
     lr = result[-1].evidence
     assert lr["suggested_lr"] is not None and lr["suggested_lr"] <= lr["min_loss_lr"] / 10
-    overfit = result[-2]
+    overfit = {c.name: c for c in result}["overfit_one_batch"]
     assert overfit.status == PASS and overfit.evidence["final_loss"] <= 0.01 * overfit.evidence["first_loss"]
 
 

@@ -40,10 +40,14 @@ def test_regression_test_fails_on_the_bug_and_passes_once_fixed(project_run: dic
     assert r.returncode == 0, r.stderr
     test = out_dir / f"test_sentineld_stuck_sensor_step{planted.NAN_STEP}.py"
     fixture = out_dir / f"sentineld_stuck_sensor_step{planted.NAN_STEP}.h5"
-    assert r.stdout.splitlines()[:2] == [str(test), str(fixture)]
+    sidecar = out_dir / f"sentineld_stuck_sensor_step{planted.NAN_STEP}.json"
+    assert r.stdout.splitlines()[:3] == [str(test), str(fixture), str(sidecar)]
     # The test users keep imports one stable name, not the replay's internals (which move).
     imports = [ln for ln in test.read_text().splitlines() if ln.startswith(("import ", "from "))]
-    assert imports == ["import json", "from pathlib import Path", "from sentineld.regress import assert_steps_finite"]
+    assert imports == ["from pathlib import Path", "from sentineld.regress import assert_steps_finite"]
+    # No path of the run in the test or its sidecar: the project is "code_root", relative.
+    side = json.loads(sidecar.read_text())
+    assert side["code_root"] == ".." and str(project) not in test.read_text() + sidecar.read_text()
 
     # The fixture: a trimmed capture, snapshot 5 and steps 5..7 only.
     with open_capture(fixture) as cap:

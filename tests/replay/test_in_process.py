@@ -29,7 +29,7 @@ def _verdict(run_dir: Path) -> dict:
     # the forward op whose gradient went non-finite; its primitive (aten.div) is in evidence
     ("backward", "backward", None, "aten.sqrt", FAULT_STEP, "SqrtBackward0", OUTSIDE_MODEL),
     # RatioSGD divides a zero gradient by its zero norm; seen one step later (NaN loss), named at its step.
-    ("optimizer", "optimizer", "fc1", "aten.div", FAULT_STEP, None, "optimizer step (RatioSGD)"),
+    ("optimizer", "optimizer", None, "aten.div", FAULT_STEP, None, "optimizer step (RatioSGD)"),
     # The scheduler sets lr=inf for the next step: recorded (and named) at the step that set it.
     ("lr", "optimizer", None, "lr", FAULT_STEP - 1, None, "learning-rate scheduler (LambdaLR)"),
     ("data", "data", None, None, FAULT_STEP, None, "input batch, batch[0]"),
@@ -108,7 +108,7 @@ def test_localize_off_and_bad_settings(tmp_path):
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="localize must be one of"):
-        attach(model, opt, runs_dir=tmp_path, metrics_port=0, localize="process")
+        attach(model, opt, runs_dir=tmp_path, metrics_port=0, localize="bogus")
     with pytest.raises(ValueError, match="loss_fn must be a function"):
         attach(model, opt, runs_dir=tmp_path, metrics_port=0, loss_fn=3)
     w = attach(model, opt, runs_dir=tmp_path, metrics_port=0, localize="off", run_id="off")
@@ -166,7 +166,7 @@ def test_optimizer_fault_seen_at_a_snapshot_step_is_replayed_from_the_snapshot_b
     cap = next(c for c in list_captures(out["watch"].run_dir) if c[2] == "nonfinite")
     assert cap[1] == 50
     v = _verdict(out["watch"].run_dir)
-    assert (v["phase"], v["module"], v["op"], v["step"]) == ("optimizer", "fc1", "aten.div", 49), v
+    assert (v["phase"], v["module"], v["op"], v["step"]) == ("optimizer", None, "aten.div", 49), v
     assert v["evidence"]["snapshot_step"] == 45 and v["reproduced"] is True
 
 
@@ -255,4 +255,6 @@ def test_cli_replay_of_a_loss_fn_run_points_to_its_own_verdict(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "sentineld", "replay", str(out["watch"].run_dir)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "recorded no recipe; pass --recipe" in proc.stderr and str(verdict_path(cap)) in proc.stderr
+    # The run's loss_fn is a closure: its recorded objects cannot be rebuilt; say why and what to do.
+    assert "cannot be rebuilt" in proc.stderr and "closure" in proc.stderr and "--recipe" in proc.stderr
+    assert str(verdict_path(cap)) in proc.stderr

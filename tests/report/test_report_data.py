@@ -108,7 +108,7 @@ def test_report_without_recipe_or_verdict_says_what_is_unavailable(planted_run: 
     html = out.read_text()
     plots = html.split('name="sentineld-plots" content="')[1].split('"')[0].split(",")
     assert plots == ["curves", "grad_norm", "update_ratio", "dead_or_saturated", "weights"]
-    assert "activations unavailable: the run recorded no recipe" in html
+    assert "activations unavailable: the run recorded neither a recipe nor a loss_fn" in html
     assert "no replay verdict for this run: run `sentineld replay" in html
     assert "no alerts recorded for this run" in html
     assert "<script" not in html

@@ -28,7 +28,7 @@ from typing import Any
 from sentineld.contracts.capture import Capture
 from sentineld.contracts.dcpstate import checkpoint_bytes, fill_sharded, load_consolidated, placeholders
 
-from .engine import ReplayError
+from .errors import ReplayError
 
 __all__ = ["HEADROOM", "available_bytes", "consolidated_snapshot"]
 

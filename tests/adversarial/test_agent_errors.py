@@ -105,7 +105,7 @@ def test_probes_switching_off_say_so_in_the_stream_once(tmp_path, monkeypatch):
     of the error (torch's dispatcher errors run to kilobytes) is in the stream."""
     from sentineld.agent import probes as probes_module
 
-    def boom(self):
+    def boom(self, *args, **kwargs):  # whatever _collect takes: it raises
         raise RuntimeError("Could not run 'aten::amax' with arguments from the 'SparseCPU' backend.\n"
                            + "CPU: registered at ...\n" * 200)
 

@@ -77,7 +77,7 @@ def test_healthy_recipe_exits_0_with_a_table(workdir: Path) -> None:
     assert "building the recipe" in r.stderr and "building the recipe" not in r.stdout
     for name in ("labels", "output_vs_loss", "gradient_flow", "overfit_one_batch"):
         assert name in r.stdout
-    assert "FAIL" not in r.stdout and "preflight ok: 10 pass" in r.stdout
+    assert "FAIL" not in r.stdout and "preflight ok: 11 pass" in r.stdout
     assert "[32, 64]" in r.stdout  # the per-module shape table
 
 

@@ -102,6 +102,23 @@ def _micro_batch(ev: Mapping[str, Any]) -> str | None:
     return f"{int(micro) + 1} of {len(losses)}"
 
 
+def rows_text(rows: list[int]) -> str:
+    """Batch row indices for a human: runs of 3+ consecutive rows as ``a..b``, a count when many.
+
+    ``[0, 1, ..., 63]`` printed 64 numbers on one line; it reads ``[0..63] (64 rows)``.
+    """
+    parts: list[str] = []
+    i = 0
+    while i < len(rows):
+        j = i
+        while j + 1 < len(rows) and rows[j + 1] == rows[j] + 1:
+            j += 1
+        parts.extend([f"{rows[i]}..{rows[j]}"] if j - i >= 2 else [str(r) for r in rows[i:j + 1]])
+        i = j + 1
+    text = "[" + ", ".join(parts) + "]"
+    return text + (f" ({len(rows)} rows)" if len(rows) > 3 else "")
+
+
 def _evidence_lines(r: Mapping[str, Any]) -> list[str]:
     ev: Mapping[str, Any] = r.get("evidence") or {}
     out = []
@@ -113,7 +130,7 @@ def _evidence_lines(r: Mapping[str, Any]) -> list[str]:
         out.append(f"op inputs: {'; '.join(tensor_stats_text(s) for s in ev['op_inputs']) or '-'}")
         out.append(f"op output: {tensor_stats_text(ev.get('op_output'))}")
         if r.get("phase") in ("forward", "backward") and ev.get("samples"):
-            out.append(f"samples: {ev['samples']} (rows of the batch whose output went non-finite here: "
+            out.append(f"samples: {rows_text(ev['samples'])} (rows of the batch whose output went non-finite here: "
                        "look at these records)")
     if ev.get("state_entry"):
         eps = ev.get("eps")

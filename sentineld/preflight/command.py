@@ -49,8 +49,12 @@ def _call(spec: str, trust: bool, what: str) -> Any:
     try:
         fn: Callable[[], Any] = load_recipe_factory(spec, os.getcwd(), trust=trust, named_by=[])
     except (RecipeError, UntrustedError) as exc:
-        text = str(exc).replace("Run the replay where the training code is, or pass --recipe",
-                                "run preflight in the directory holding the module")
+        mod, _, name = spec.partition(":")
+        # A missing function is not a wrong directory: say what to define.
+        advice = (f"define {name}() in {mod}.py (README: \"Before a long run: sentineld preflight\")"
+                  if f"has no attribute '{name}'" in str(exc) else
+                  "run preflight in the directory holding the module")
+        text = str(exc).replace("Run the replay where the training code is, or pass --recipe", advice)
         if what != "the recipe":  # the --data function: say "data function", not "recipe"
             text = re.sub(r"\brecipe\b", what.removeprefix("the "), text, count=1)
         _bad(text)

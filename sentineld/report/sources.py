@@ -18,6 +18,7 @@ from sentineld.contracts.records import STEP, StepRecord, record_from_json
 from sentineld.contracts.rundir import list_captures, read_run_meta, stream_path
 from sentineld.contracts.safeio import read_json
 from sentineld.contracts.stream import StreamTail
+from sentineld.contracts.verdict_file import verdict_path
 from sentineld.daemon import outbox
 from sentineld.daemon.outbox import Notification
 
@@ -107,6 +108,17 @@ def daemon_verdict(state_dir: Path | None, run_id: str, notes: list[Notification
     return _verdict_of(max(vs, key=lambda n: n.created_s).data) if vs else None
 
 
+def agent_verdict(capture: Path) -> dict[str, Any] | None:
+    """The verdict the training process wrote next to ``capture`` (``.verdict.json``), if any.
+
+    A ``failed`` record or an unreadable file gives None (the page then says how to replay).
+    """
+    try:
+        return _verdict_of(read_json(verdict_path(capture), MAX_VERDICT_FILE_BYTES))
+    except (OSError, ValueError):
+        return None
+
+
 def capture_info(path: Path) -> tuple[dict[str, Any], list[d.Hist]]:
     """Header of a capture and histograms of the snapshot's floating model tensors.
 
@@ -156,11 +168,15 @@ def gather(run_dir: Path, *, rank: int = 0, state_dir: Path | None = None,
         out.notes.append(f"rank {rank} has no step records in {stream_path(run_dir, rank).name}")
     if bad:
         out.notes.append(f"{bad} damaged stream lines skipped")
-    out.verdict = verdict or daemon_verdict(state_dir, meta.run_id, notes)
-    if out.verdict is None:
-        out.verdict_note = (f"no replay verdict for this run: run `sentineld replay {run_dir}`, or "
-                            f"`sentineld report {run_dir} --replay`")
     cap_path = capture or _default_capture(run_dir, caps, rank)
+    # The training process's own verdict (loss_fn / forward-only runs) sits next to the capture;
+    # without a daemon state dir it is the only verdict there is, so a daemon-less run shows it.
+    out.verdict = (verdict or daemon_verdict(state_dir, meta.run_id, notes)
+                   or (agent_verdict(cap_path) if cap_path is not None else None))
+    if out.verdict is None:
+        out.verdict_note = (f"no replay verdict for this run: run `sentineld report {run_dir} --replay`, "
+                            f"or `sentineld replay {run_dir} --json > v.json` and "
+                            f"`sentineld report {run_dir} --verdict v.json`")
     if cap_path is None:
         out.activations_note = "no capture in this run: nothing to draw weights and activations from"
         return out

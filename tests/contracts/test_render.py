@@ -4,7 +4,7 @@ gradient accumulation names its micro-batch."""
 
 from __future__ import annotations
 
-from sentineld.contracts.render import format_body, render_verdict, tensor_stats_text
+from sentineld.contracts.render import format_body, render_verdict, rows_text, tensor_stats_text
 from sentineld.contracts.verdict import Report, render_text
 
 
@@ -42,3 +42,12 @@ def test_one_renderer_three_formats() -> None:
     assert render_verdict(r, "html") == (title, format_body(text, "html"))
     assert "&lt;lambda&gt;" in render_verdict(r, "html")[1] and "<lambda>" not in render_verdict(r, "html")[1]
     assert render_verdict(r, "markdown")[1] == "```\n" + text.rstrip("\n") + "\n```\n"
+
+
+def test_sample_rows_are_compressed_to_ranges() -> None:
+    # the demo's verdict printed all 64 row numbers of its batch on one line
+    assert rows_text(list(range(64))) == "[0..63] (64 rows)"
+    assert rows_text([3]) == "[3]"
+    assert rows_text([1, 2, 5]) == "[1, 2, 5]"
+    assert rows_text([0, 1, 2, 7, 9, 10, 11, 12]) == "[0..2, 7, 9..12] (8 rows)"
+    assert rows_text([]) == "[]"

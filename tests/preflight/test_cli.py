@@ -99,6 +99,9 @@ def test_buggy_recipe_exits_1_and_json_names_the_failures(workdir: Path) -> None
     (["pftrain", "--data", "pftrain:data"], "RECIPE must be MODULE:FUNCTION"),
     (["pftrain:make_recipe", "--data", "pftrain"], "--data must be MODULE:FUNCTION"),
     (["pftrain:missing", "--data", "pftrain:data"], "has no attribute 'missing'"),
+    # it said "run preflight in the directory holding the module", run from that very directory
+    (["pftrain:missing", "--data", "pftrain:data"], "define missing() in pftrain.py"),
+    (["nosuchmodule:make", "--data", "pftrain:data"], "run preflight in the directory holding the module"),
     (["nosuchmodule:make", "--data", "pftrain:data"], "No module named 'nosuchmodule'"),
     (["pftrain:not_a_recipe", "--data", "pftrain:data"], "returned int, not a sentineld.recipe.Recipe"),
     (["pftrain:make_recipe", "--data", "pftrain:no_data"], "must be an iterable of batches, got NoneType"),

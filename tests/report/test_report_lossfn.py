@@ -38,6 +38,17 @@ def test_report_of_a_loss_fn_run(tmp_path: Path) -> None:
     assert "<td>op inputs</td>" in page and "<td>op output</td>" in page and "NaN 0, +Inf" in page
     assert f"<td>samples</td><td>[{lp.BAD_ROW}]" in page
 
+    # A new user's path: no daemon, no --verdict; the agent's own verdict.json is shown (it said
+    # "no replay verdict for this run" before, though the verdict lay next to the capture).
+    plain = tmp_path / "plain.html"
+    r = subprocess.run([sys.executable, "-m", "sentineld", "report", str(run_dir), "-o", str(plain),
+                        "--no-activations"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    plain_page = plain.read_text()
+    assert "no replay verdict" not in plain_page
+    assert f"<td>samples</td><td>[{lp.BAD_ROW}]" in plain_page
+
     records, _ = read_records(run_dir, 0)
     nan_steps = {rec.step for rec in records if not math.isfinite(rec.loss)}
     assert nan_steps and min(nan_steps) == lp.NAN_STEP

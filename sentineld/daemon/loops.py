@@ -184,7 +184,10 @@ class ReplayThread(LoopThread):
         write_json_atomic(record, {"capture": str(cap), "result": outcome.result,
                                    "elapsed_s": outcome.elapsed_s, "exit_code": outcome.exit_code,
                                    "reason": outcome.reason, "report": outcome.report})
-        log.info("run %s: replay %s -> %s in %.1f s", rw.run_id, cap.name, outcome.result, outcome.elapsed_s)
+        # The reason goes to the log for every failure: one run pages "replay failed" once (the
+        # notifier's id names no capture), the log keeps why each of its captures failed.
+        log.info("run %s: replay %s -> %s in %.1f s%s", rw.run_id, cap.name, outcome.result, outcome.elapsed_s,
+                 f": {outcome.reason[-500:]}" if outcome.result == "failed" and outcome.reason else "")
 
     def _in_process_verdict(self, rw: RunWatch, meta: RunMeta, cap: Path, record: Path) -> bool:
         """True when the training process's own verdict for ``cap`` was handed on, or is still

@@ -13,9 +13,9 @@ One module per detector family: ``numerics`` (nonfinite, loss_scale_collapse), `
 (divergence_spike, divergence_growth, plateau, oscillation, initial_loss), ``gradients``
 (exploding_gradients, vanishing_gradients, missing_gradients, forgotten_zero_grad), ``updates``
 (gradients_not_applied, update_ratio), ``activations`` (dead_relu, saturated_activation),
-``liveness`` (stalled), ``replicas`` (replica_divergence). :mod:`.floors` is the look at the loss the gradient rules share (a tiny
-gradient at a converged loss is not vanishing); :mod:`.resolve` says when a signature that fired
-has resolved (the daemon's RESOLVED notices).
+``liveness`` (stalled), ``replicas`` (replica_divergence). :mod:`.floors` is the look at the
+loss the gradient rules share (a tiny gradient at a converged loss is not vanishing);
+:mod:`.resolve` says when a signature that fired has resolved (the daemon's RESOLVED notices).
 """
 
 from .activations import DeadReluConfig, SaturationConfig, detect_dead_relu, detect_saturated_activation

@@ -88,5 +88,7 @@ def test_replica_captures_are_not_replayed_as_a_nan(tmp_path: Path) -> None:
     replayer = ReplayThread(threading.Event(), cfg, tmp_path / "records", Notifier(Outbox(tmp_path / "o"), [], clock),
                             Stats(), DaemonMetrics())
     replayer.offer(rw)
-    queued = [cap.name for _rw, cap in iter(lambda: replayer.jobs.get(timeout=0) if replayer.jobs.qsize() else None, None)]
+    queued = []
+    while replayer.jobs.qsize():
+        queued.append(replayer.jobs.get(timeout=0)[1].name)
     assert queued == [RunDir.capture_name(0, 20, "nonfinite")]

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from sentineld.contracts.records import AGENT_WARNING, AgentNotice, record_to_json
+from sentineld.contracts.records import AGENT_WARNING, AgentNotice, ReplicaDivergence, record_to_json
 from sentineld.contracts.snapshot import state_of
 from sentineld.contracts.stream import StreamWriter
 from sentineld.contracts.triggers import NONFINITE, REPLICA_DIVERGENCE, SPIKE
@@ -372,8 +372,8 @@ class StepRecorder:
         for div in replicas.take() if replicas is not None else []:
             msg = div.message(replicas.world)  # type: ignore[union-attr]
             log.warning("sentineld: %s", msg)
-            self.stream.put({"kind": "replica_divergence", "step": div.step, "ranks": div.ranks,
-                             "parameter": div.parameter, "message": msg}, urgent=True)
+            line = ReplicaDivergence(div.step, tuple(div.ranks), div.parameter, msg)
+            self.stream.put(line.to_json(), urgent=True)
             last = self.ring.entries[-1].step if self.ring.entries else div.step
             self.capture(REPLICA_DIVERGENCE, div.step, msg, last=max(div.step, last))
 

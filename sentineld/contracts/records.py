@@ -9,7 +9,8 @@ Units are in the field names (``_s`` = seconds). Floats may be ``nan``/``inf``: 
 
 The stream's other lines are typed here too, each with its ``kind``: :class:`StartLine` (the
 process began), :class:`EndLine` (it finished, crashed or was stopped) and :class:`AgentNotice`
-(the agent switched itself off, or a capture was not written). The agent writes them with
+(the agent switched itself off, or a capture was not written) and :class:`ReplicaDivergence` (DDP
+replicas differ, ``agent/replicas.py``). The agent writes them with
 ``to_json()``; readers match a line's ``kind`` against these constants, never a bare string.
 """
 
@@ -19,8 +20,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
+from sentineld.contracts.triggers import REPLICA_DIVERGENCE
+
 __all__ = ["StepRecord", "LayerStats", "record_from_json", "record_to_json", "STEP", "START", "END",
-           "AGENT_ERROR", "AGENT_WARNING", "AGENT_NOTICES", "StartLine", "EndLine", "AgentNotice"]
+           "AGENT_ERROR", "AGENT_WARNING", "AGENT_NOTICES", "StartLine", "EndLine", "AgentNotice",
+           "REPLICA_DIVERGENCE", "ReplicaDivergence"]
 
 #: The ``kind`` of each stream line.
 STEP, START, END, AGENT_ERROR, AGENT_WARNING = "step", "start", "end", "agent_error", "agent_warning"
@@ -81,6 +85,10 @@ class StepRecord:
         clipped: True when gradient clipping rescaled this step's gradients (the pre-clip
             ``grad_norm`` was above the max norm), False when it did not, None when the agent
             does not know that the loop clips. Absent from streams written before it existed.
+        replicas: never in a step line: the daemon sets it on the newest record of a rank's
+            window when the stream says the DDP replicas differ (a :data:`REPLICA_DIVERGENCE`
+            line, :class:`ReplicaDivergence`), so the pure ``replica_divergence`` signature sees
+            it in the window. None otherwise.
     """
 
     step: int
@@ -97,6 +105,7 @@ class StepRecord:
     input_nonfinite: bool | None = None
     layers: Mapping[str, LayerStats] | None = field(default=None, compare=False)
     clipped: bool | None = None
+    replicas: ReplicaDivergence | None = field(default=None, compare=False)
 
     @property
     def nonfinite(self) -> bool:
@@ -106,7 +115,7 @@ class StepRecord:
         return self.grad_norm is not None and not math.isfinite(self.grad_norm)
 
 
-_SCALAR_FIELDS = tuple(f for f in StepRecord.__dataclass_fields__ if f != "layers")
+_SCALAR_FIELDS = tuple(f for f in StepRecord.__dataclass_fields__ if f not in ("layers", "replicas"))
 
 
 def record_to_json(record: StepRecord) -> dict[str, Any]:
@@ -132,7 +141,7 @@ def record_from_json(obj: Mapping[str, Any]) -> StepRecord:
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"stream record lacks a valid step/loss: {exc!r}") from None
     layers = obj.get("layers")
-    known = {f for f in StepRecord.__dataclass_fields__} - {"step", "loss", "layers"}
+    known = {f for f in StepRecord.__dataclass_fields__} - {"step", "loss", "layers", "replicas"}
     kwargs = {k: obj[k] for k in known if k in obj}
     if isinstance(layers, Mapping):
         lf = set(LayerStats.__dataclass_fields__)
@@ -188,3 +197,36 @@ class AgentNotice:
         if self.step is not None:
             out["step"] = self.step
         return out
+
+
+@dataclass(frozen=True)
+class ReplicaDivergence:
+    """DDP replicas differ after the optimizer step of ``step`` (``agent/replicas.py``): the ranks
+    ``ranks`` hold other parameter values than the majority (with two ranks, both), first in
+    parameter ``parameter`` (``named_parameters`` name). Every rank writes the same line."""
+
+    step: int
+    ranks: tuple[int, ...]
+    parameter: str
+    message: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": REPLICA_DIVERGENCE, "step": self.step, "ranks": list(self.ranks),
+                "parameter": self.parameter, "message": self.message}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> ReplicaDivergence:
+        """Parse a :data:`REPLICA_DIVERGENCE` stream line (another process wrote it: checked).
+
+        Raises:
+            ValueError: ``step`` is not an int, ``ranks`` not a list of ints or ``parameter``
+                not a string.
+        """
+        step, ranks, param = obj.get("step"), obj.get("ranks"), obj.get("parameter")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise ValueError(f"replica_divergence line without an int step: {step!r}")
+        if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+            raise ValueError(f"replica_divergence line without a list of int ranks: {ranks!r}")
+        if not isinstance(param, str):
+            raise ValueError(f"replica_divergence line without a parameter name: {param!r}")
+        return cls(step, tuple(ranks), param[:500], str(obj.get("message", ""))[:2000])

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Callable
 
 from sentineld.contracts.ringformat import ring_state
-from sentineld.contracts.rundir import RunMeta
+from sentineld.contracts.rundir import RunDir, RunMeta
 from sentineld.contracts.safeio import read_json
+from sentineld.contracts.triggers import REPLICA_DIVERGENCE
 from sentineld.daemon.am_incident import no_recipe_outcome, verdict_may_come
 from sentineld.daemon.daemon_config import DaemonConfig
 from sentineld.daemon.delivery import SecretFilter, deliver_due
@@ -141,6 +142,11 @@ class ReplayThread(LoopThread):
         if rw.meta is None:
             return
         for name in sorted(rw.captures_seen):
+            parsed = RunDir.parse_capture_name(name)
+            if parsed is not None and parsed[2] == REPLICA_DIVERGENCE:
+                # No fault to replay: the step ran clean on every rank, its replicas just differ
+                # (the signature alerts from the stream); the capture is kept for `sentineld replay`.
+                continue
             cap = rw.run_dir / name
             key = f"{rw.incident_scope}|{cap}"  # a new run reusing the path replays its own captures
             if key not in self.queued and cap.exists() and not self.record_of(rw, cap).exists():

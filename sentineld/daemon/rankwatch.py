@@ -9,12 +9,21 @@ and a rank's state is never spread over dicts that must be kept in step.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from sentineld.contracts.nonfinite import is_nonfinite
-from sentineld.contracts.records import AGENT_NOTICES, END, START, STEP, StepRecord, record_from_json
+from sentineld.contracts.records import (
+    AGENT_NOTICES,
+    END,
+    REPLICA_DIVERGENCE,
+    START,
+    STEP,
+    ReplicaDivergence,
+    StepRecord,
+    record_from_json,
+)
 from sentineld.contracts.stream import CHUNK_BYTES, StreamTail, read_lines
 
 __all__ = ["RankWatch", "AgentNote", "as_int"]
@@ -79,6 +88,10 @@ class RankWatch:
     _consumed: int = 0  # just past the last line handed out
     _quiet_until: int = -1  # lines ending at or before this were evaluated by the last daemon
     _last_bad: bool = False
+    # a replica_divergence line read before any step record: carried by the next one
+    _pending_replicas: ReplicaDivergence | None = None
+    #: a fresh replica_divergence line was read since :meth:`take_replicas_news`
+    _replicas_news: bool = False
 
     def __post_init__(self) -> None:
         self.records = deque(maxlen=self.window)
@@ -122,6 +135,8 @@ class RankWatch:
                 if rec is None:
                     self.tail.bad_lines += 1
                     continue
+                if self._pending_replicas is not None:
+                    rec, self._pending_replicas = replace(rec, replicas=self._pending_replicas), None
                 self.records.append(rec)
                 self._starts.append(start)
                 self.last_step = rec.step
@@ -137,10 +152,33 @@ class RankWatch:
                 self.ended = None
             elif kind == END:
                 self.ended = str(obj.get("reason", "finished"))[:100]
+            elif kind == REPLICA_DIVERGENCE:
+                self._replicas(obj, fresh)
             elif kind in AGENT_NOTICES:
                 notes.append(AgentNote(str(kind), as_int(obj.get("step"), -1), str(obj.get("message", ""))[:2000],
                                        fresh))
         return new, notes
+
+    def _replicas(self, obj: dict[str, Any], fresh: bool) -> None:
+        """Carry a ``replica_divergence`` line on the newest record of the window, where the pure
+        signature (``signatures/replicas.py``) sees it; the step it names may have left the
+        window already (the comparison lags the step), the verdict keeps that step."""
+        try:
+            div = ReplicaDivergence.from_json(obj)
+        except ValueError:
+            self.tail.bad_lines += 1
+            return
+        if self.records:
+            self.records[-1] = replace(self.records[-1], replicas=div)
+        else:
+            self._pending_replicas = div
+        self._replicas_news |= fresh
+
+    def take_replicas_news(self) -> bool:
+        """True once after a fresh ``replica_divergence`` line was read (the run is evaluated
+        then, even when the line came with no new step record)."""
+        news, self._replicas_news = self._replicas_news, False
+        return news
 
     def _read_file(self) -> list[tuple[dict[str, Any] | None, int]]:
         tail = self.tail

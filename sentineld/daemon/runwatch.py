@@ -138,8 +138,8 @@ class RunWatch:
             except OSError as exc:
                 self.error = f"{rk.tail.path}: {exc}"
                 continue
-            if recs:
-                new[rank] = recs
+            if recs or rk.take_replicas_news():
+                new[rank] = recs  # possibly empty: a replica divergence alone is news too
             for note in notes:
                 self._agent_note(rank, note)
         caps = []

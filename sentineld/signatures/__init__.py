@@ -13,9 +13,9 @@ One module per detector family: ``numerics`` (nonfinite, loss_scale_collapse), `
 (divergence_spike, divergence_growth, plateau, oscillation, initial_loss), ``gradients``
 (exploding_gradients, vanishing_gradients, missing_gradients, forgotten_zero_grad), ``updates``
 (gradients_not_applied, update_ratio), ``activations`` (dead_relu, saturated_activation),
-``liveness`` (stalled). :mod:`.floors` is the look at the loss the gradient rules share (a tiny
-gradient at a converged loss is not vanishing); :mod:`.resolve` says when a signature that fired
-has resolved (the daemon's RESOLVED notices).
+``liveness`` (stalled), ``replicas`` (replica_divergence). :mod:`.floors` is the look at the
+loss the gradient rules share (a tiny gradient at a converged loss is not vanishing);
+:mod:`.resolve` says when a signature that fired has resolved (the daemon's RESOLVED notices).
 """
 
 from .activations import DeadReluConfig, SaturationConfig, detect_dead_relu, detect_saturated_activation
@@ -40,6 +40,7 @@ from .loss import (
                           detect_plateau,
 )
 from .numerics import LossScaleConfig, NonfiniteConfig, detect_loss_scale_collapse, detect_nonfinite
+from .replicas import ReplicaDivergenceConfig, detect_replica_divergence
 from .resolve import shown_resolved, unresolved
 from .signature_config import SignatureConfig, run_signature_config
 from .spike import LossSpikeConfig, SpikeTracker, detect_loss_spike
@@ -59,4 +60,5 @@ __all__ = [
     "detect_forgotten_zero_grad", "detect_gradients_not_applied", "detect_update_ratio",
     "detect_dead_relu", "detect_saturated_activation", "detect_stalled",
     "LossSpikeConfig", "SpikeTracker", "detect_loss_spike",
+    "ReplicaDivergenceConfig", "detect_replica_divergence",
 ]

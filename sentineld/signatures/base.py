@@ -48,6 +48,7 @@ SIGNATURES: Mapping[str, Severity] = {
     "initial_loss": "warning",
     "loss_scale_collapse": "critical",
     "stalled": "critical",
+    "replica_divergence": "critical",
 }
 
 

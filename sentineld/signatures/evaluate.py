@@ -26,6 +26,7 @@ from .loss import (
     detect_plateau,
 )
 from .numerics import detect_loss_scale_collapse, detect_nonfinite
+from .replicas import detect_replica_divergence
 from .signature_config import SignatureConfig
 from .spike import detect_loss_spike
 from .updates import detect_gradients_not_applied, detect_update_ratio
@@ -60,6 +61,7 @@ def evaluate(records: Sequence[StepRecord] | Iterable[StepRecord],
             return []
     checks: tuple[Callable[[], list[Verdict]], ...] = (
         lambda: detect_nonfinite(records, cfg.nonfinite),
+        lambda: detect_replica_divergence(records, cfg.replica_divergence),
         lambda: detect_loss_scale_collapse(records, cfg.loss_scale_collapse),
         lambda: detect_divergence_spike(records, cfg.divergence_spike, num_classes),
         lambda: detect_divergence_growth(records, cfg.divergence_growth, num_classes),

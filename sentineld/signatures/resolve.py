@@ -32,7 +32,7 @@ those active, with no recovery notice, until they are. The rules, per signature:
 - ``vanishing_gradients`` (global rule): every grad norm of the last ``patience`` steps is at
   least ``min_grad_norm``.
 - ``initial_loss``: a fact about step 0; it does not resolve while the run lasts (it is closed
-  when the run ends).
+  when the run ends). Nor does ``replica_divergence``: nothing makes DDP replicas equal again.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ __all__ = ["RESOLVE_STEPS", "resolve_window", "shown_resolved", "unresolved"]
 #: choice: the detectors' own confirmation windows are 2-10 steps; 10 covers every one of them)
 RESOLVE_STEPS = 10
 
-_NEVER = frozenset({"initial_loss"})
+# replica_divergence: replicas that differ stay different (nothing re-syncs DDP replicas)
+_NEVER = frozenset({"initial_loss", "replica_divergence"})
 _OWN_RULE = frozenset({"nonfinite", "stalled"})
 
 

@@ -24,6 +24,7 @@ from .gradients import ExplodingConfig, MissingGradientsConfig, VanishingConfig
 from .liveness import StalledConfig
 from .loss import InitialLossConfig, OscillationConfig, PlateauConfig
 from .numerics import LossScaleConfig, NonfiniteConfig
+from .replicas import ReplicaDivergenceConfig
 from .spike import LossSpikeConfig
 from .updates import NotAppliedConfig, UpdateRatioConfig
 from .zero_grad import ZeroGradConfig
@@ -52,6 +53,7 @@ class SignatureConfig:
     initial_loss: InitialLossConfig = field(default_factory=InitialLossConfig)
     loss_scale_collapse: LossScaleConfig = field(default_factory=LossScaleConfig)
     stalled: StalledConfig = field(default_factory=StalledConfig)
+    replica_divergence: ReplicaDivergenceConfig = field(default_factory=ReplicaDivergenceConfig)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> "SignatureConfig":

@@ -55,3 +55,44 @@ def test_equal_replicas_raise_nothing(runs: Path) -> None:
     run = runs / "rep-clean"
     assert all(not _divergences(run, r) for r in range(WORLD))
     assert list_captures(run) == []
+
+
+@pytest.mark.slow
+def test_the_daemon_pages_the_real_run_once_and_queues_no_replay(runs: Path, tmp_path: Path) -> None:
+    """The real agent's streams through the daemon's real RunWatch, Alerting and outbox: one
+    critical ``replica_divergence`` alert naming rank 1, ``fc1.weight`` and the step; the clean
+    run pages nothing; no replica capture is queued for a replay."""
+    import threading  # noqa: PLC0415
+
+    from sentineld.daemon.alerting import RANK_GRACE_S, Alerting  # noqa: PLC0415
+    from sentineld.daemon.daemon_config import DaemonConfig  # noqa: PLC0415
+    from sentineld.daemon.loops import ReplayThread, Stats  # noqa: PLC0415
+    from sentineld.daemon.metrics import DaemonMetrics  # noqa: PLC0415
+    from sentineld.daemon.notifier import Notifier  # noqa: PLC0415
+    from sentineld.daemon.outbox import Outbox  # noqa: PLC0415
+    from sentineld.daemon.runstate import RunState  # noqa: PLC0415
+    from sentineld.daemon.runwatch import RunWatch  # noqa: PLC0415
+    from tests.daemon.test_alerting import Clock  # noqa: PLC0415
+
+    first_sample = (CHANGE_STEP // EVERY + 1) * EVERY
+    for name, expect in (("rep-silent", [("replica_divergence", first_sample)]), ("rep-clean", [])):
+        clock, outbox = Clock(), Outbox(tmp_path / name / "outbox")
+        cfg = DaemonConfig(runs_dir=runs, state_dir=tmp_path / name / "state")
+        notifier = Notifier(outbox, [], clock)
+        alerting = Alerting(cfg, notifier, Stats(), save=lambda s: None, clock=clock)
+        state = RunState(RunWatch(runs / name, window=200))
+        new, _caps = state.watch.poll()
+        if new:
+            alerting.evaluate(state, live=False)
+        clock.now += RANK_GRACE_S + 0.1
+        for st, keys in alerting.due([state]):
+            alerting.release(st, keys)
+        sent = [n for n in outbox if n.kind == "alert"]
+        assert [(n.signature, n.step) for n in sent] == expect, name
+        if sent:
+            assert sent[0].severity == "critical"
+            assert f"rank(s) {CHANGE_RANK}" in sent[0].body and "'fc1.weight'" in sent[0].body
+        replayer = ReplayThread(threading.Event(), cfg, tmp_path / name / "records", notifier, Stats(),
+                                DaemonMetrics())
+        replayer.offer(state.watch)
+        assert replayer.jobs.qsize() == 0

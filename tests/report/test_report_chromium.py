@@ -72,7 +72,9 @@ def _says_what_happened(dom: str) -> None:
     assert re.search(r"<td>alert</td><td>critical</td><td>nonfinite</td><td>7</td>", dom)
     assert re.search(r"<td>verdict</td><td>critical</td><td>replay</td><td>7</td>", dom)
     assert "model tensors of the capture's snapshot (the state before step 5)" in text
-    assert "outputs of 6 leaf modules in one forward of step 5's batch" in text
+    # the incident's own batch on the state before it (issue 22): snapshot 5, steps 5..6 re-executed
+    assert "outputs of 6 leaf modules in one forward of the incident step 7's batch, on the state before step 7 " \
+        "(snapshot 5 and steps 5..6 re-executed)" in text
     assert "reproduced True (max loss deviation 0 over 2 rebuilt steps)" in text
 
 def _notes(state_dir: Path) -> list[dict]:

@@ -109,7 +109,7 @@ def test_report_without_recipe_or_verdict_says_what_is_unavailable(planted_run: 
     plots = html.split('name="sentineld-plots" content="')[1].split('"')[0].split(",")
     assert plots == ["curves", "grad_norm", "update_ratio", "dead_or_saturated", "weights"]
     assert "activations unavailable: the run recorded neither a recipe nor a loss_fn" in html
-    assert "no replay verdict for this run: run `sentineld replay" in html
+    assert "no replay verdict for this run: run `sentineld report" in html
     assert "no alerts recorded for this run" in html
     assert "<script" not in html
 
@@ -145,7 +145,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_cli_bad_input_exits_2_with_a_reason(tmp_path: Path, planted_run: dict) -> None:
     r = _cli("report", str(tmp_path / "nope"), "--runs-dir", str(tmp_path))
-    assert r.returncode == 2 and "no run" in r.stderr
+    assert r.returncode == 2 and "does not exist" in r.stderr
     (tmp_path / "bad.json").write_text("[1,")
     r = _cli("report", str(planted_run["run_dir"]), "--verdict", str(tmp_path / "bad.json"))
     assert r.returncode == 2 and "not JSON" in r.stderr

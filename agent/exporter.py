@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from sentineld.contracts import metric_names as M
 from sentineld.contracts.records import StepRecord
 
-__all__ = ["Latest", "start_exporter"]
+__all__ = ["Latest", "merge_layers", "start_exporter"]
 
 log = logging.getLogger("sentineld.agent")
 
@@ -36,6 +36,32 @@ class Latest:
     layers: dict[str, Any] = field(default_factory=dict)
     #: Upper bound of the ring's host memory, bytes (agent/memory.py), set once at attach.
     ring_bound_bytes: int | None = None
+
+
+def merge_layers(shown: dict[str, Any], sample: dict[str, Any]) -> dict[str, Any]:
+    """The per-module figures the exporter shows after ``sample`` (a pure function).
+
+    A gauge shows the last value measured. An activations-only sample (the dense head's steps
+    between full samples, agent/probes.py) measures no norms: its modules keep the norms and
+    update ratio of the last full sample instead of losing those series until the next one (a
+    scrape that fell after such a step showed no per-layer gradient norms at all).
+
+    Args:
+        shown: module name -> LayerStats now shown (not modified).
+        sample: module name -> LayerStats of the newest sampled step.
+
+    Returns:
+        A new dict: every module of either, each field the sample's where it measured one.
+    """
+    out = dict(shown)
+    for name, new in sample.items():
+        old = out.get(name)
+        if old is None or not is_dataclass(new) or type(old) is not type(new):
+            out[name] = new
+            continue
+        kept = {f.name: getattr(old, f.name) for f in fields(new) if getattr(new, f.name) is None}
+        out[name] = replace(new, **kept) if kept else new
+    return out
 
 
 #: Labels of every agent series. ``host`` is the training host's name, as in the daemon's alerts

@@ -33,7 +33,7 @@ from sentineld.contracts.triggers import NONFINITE, REPLICA_DIVERGENCE, SPIKE
 from .agent_config import AgentConfig
 from .capturer import CaptureWriter
 from .diskring import DiskRingWriter
-from .exporter import Latest
+from .exporter import Latest, merge_layers
 from .incidents import IncidentPolicy, batch_check, params_nonfinite
 from .localize_live import LiveLocalizer
 from .peers import PeerIncidents
@@ -210,7 +210,7 @@ class StepRecorder:
         probes = self.probes
         layers = probes.collect() if probes is not None else None
         if layers:
-            self.latest.layers = dict(layers)
+            self.latest.layers = merge_layers(self.latest.layers, layers)
         elif probes is not None and probes.failure is not None:  # once: say it where the daemon reads
             self.stream.put(AgentNotice(AGENT_WARNING, probes.failure, n).to_json(), urgent=True)
             self.probes = None

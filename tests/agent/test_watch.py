@@ -255,3 +255,24 @@ def test_sampled_steps_carry_per_layer_stats_and_export_them(tmp_path):
     assert [r["step"] for r in recs if r.get("layers") and "0" in r["layers"]][:9] == [0, 1, 2, 4, 5, 8, 10, 15, 16]
     host = socket.gethostname()
     assert f'sentineld_layer_grad_norm{{host="{host}",module="0",rank="0",run="layers"}}' in body
+
+
+def test_per_layer_norms_stay_exported_after_an_activations_only_sample(tmp_path):
+    """Regression (CI, test_oncall): a scrape after step 11 of the dense head (an
+    activations-only sample) showed no sentineld_layer_grad_norm series at all, so the
+    dashboard's per-layer panels were empty for the first ~50 steps of every run. A gauge shows
+    the last value measured: the norms of step 8, the newest full sample."""
+    m, o = _model()
+    watch = attach(m, o, run_id="held", runs_dir=tmp_path, metrics_port=-1, layer_every=50)
+    _train(m, o, watch, 12)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{watch.metrics_port}/metrics", timeout=5).read().decode()
+    watch.close()
+    recs = [r for r in _stream(watch) if r["kind"] == "step"]
+    assert set(recs[11]["layers"]) == {"1"}  # the newest sample measured the activations only
+    host = socket.gethostname()
+    for module in ("0", "3"):
+        line = next(x for x in body.splitlines()
+                    if x.startswith(f'sentineld_layer_grad_norm{{host="{host}",module="{module}",'))
+        assert float(line.split()[-1]) == pytest.approx(recs[8]["layers"][module]["grad_norm"], rel=1e-6)
+    dead = next(x for x in body.splitlines() if x.startswith(f'sentineld_layer_dead_ratio{{host="{host}",module="1",'))
+    assert float(dead.split()[-1]) == pytest.approx(recs[11]["layers"]["1"]["dead_fraction"])

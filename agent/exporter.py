@@ -9,14 +9,14 @@ from __future__ import annotations
 import logging
 import math
 import socket
-from dataclasses import dataclass, field, fields, is_dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from sentineld.contracts import metric_names as M
-from sentineld.contracts.records import StepRecord
+from sentineld.contracts.records import LayerStats, StepRecord
 
 __all__ = ["Latest", "merge_layers", "start_exporter"]
 
@@ -56,7 +56,7 @@ def merge_layers(shown: dict[str, Any], sample: dict[str, Any]) -> dict[str, Any
     out = dict(shown)
     for name, new in sample.items():
         old = out.get(name)
-        if old is None or not is_dataclass(new) or type(old) is not type(new):
+        if not isinstance(old, LayerStats) or not isinstance(new, LayerStats):
             out[name] = new
             continue
         kept = {f.name: getattr(old, f.name) for f in fields(new) if getattr(new, f.name) is None}

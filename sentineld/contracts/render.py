@@ -198,7 +198,7 @@ def render_verdict(report: Any, fmt: str = "text") -> tuple[str, str]:
     if r.get("kind") == "spike":
         return _render_spike(r, fmt)
     step, phase = r.get("step", "?"), r.get("phase", "none")
-    mtype, node = r.get("module_type"), r.get("autograd_node")
+    node = r.get("autograd_node")
     ev: Mapping[str, Any] = r.get("evidence") or {}
     lines = [
         f"phase: {phase}",

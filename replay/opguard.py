@@ -103,6 +103,11 @@ class _Guard(TorchFunctionMode):
         if name == self.name or (self.name == "div" and name in _DIV_OPS):
             self.calls += 1
         if g.mode == "rewrite":
+            if args and isinstance(args[0], torch.Tensor) and name != "log" and (
+                    fname == "__setitem__" or fname.startswith("__i")
+                    or (fname.endswith("_") and not fname.startswith("__"))):
+                # changed in place: it no longer holds what its producer made
+                self.made.pop(id(args[0]), None)
             return self._rewrite(func, name, args, kwargs)
         if name == self.name or (self.name == "div" and name in _DIV_OPS):
             args = list(args)

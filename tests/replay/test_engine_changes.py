@@ -67,6 +67,17 @@ def test_rewrite_carries_through_the_ops_between_softmax_and_log() -> None:
         assert torch.isfinite(gz).all()
 
 
+def test_rewrite_skips_a_producer_output_changed_in_place() -> None:
+    # softmax, then an in-place edit: log(p) is no longer log_softmax(z), so nothing is rewritten
+    z = torch.tensor([[0.0, 50.0, -50.0]])
+    for edit in (lambda p: p.clamp_(min=0.25), lambda p: p.__setitem__((0, 2), 0.5), lambda p: p.mul_(2.0)):
+        with op_guard(nn.Identity(), OpGuard("log", None, "rewrite")) as g:
+            p = torch.softmax(z, -1)
+            edit(p)
+            out = torch.log(p)
+        assert (g.applied, g.calls) == (0, 1) and torch.equal(out, torch.log(p))
+
+
 def test_guard_counts_calls_it_could_not_change() -> None:
     """A log of a ReLU output has nothing to rewrite: 0 applied but 1 call, and the table says the
     op ran (the verdict named it) instead of "(the op never ran there)"."""

@@ -12,8 +12,10 @@ CHECK_SKIP = --ignore=tests/signatures/test_runs.py --ignore=tests/signatures/te
 
 .PHONY: setup system-deps demo lint test check bench
 
+# Not echoed: setup.sh is silent when .venv is up to date and says what it installs otherwise
+# (make demo printed a bare `scripts/setup.sh` line above the demo).
 setup:
-	scripts/setup.sh
+	@scripts/setup.sh
 
 system-deps:
 	scripts/system-deps.sh

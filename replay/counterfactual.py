@@ -80,8 +80,12 @@ class Outcome:
         steps_checked: steps run (stops after the first non-finite one).
         first_nonfinite: the first step whose loss or resulting state was non-finite, or None.
         error: the user code's exception under this change (``Type: message``), or None.
-        guard_applied: call sites the op guard changed (None without a guard; 0: the op never
-            ran where the guard looked, so the change was no change).
+        guard_applied: call sites the op guard changed (None without a guard; 0: the change was
+            no change).
+        guard_calls: calls of the guarded op where the guard looked, changed or not (None
+            without a guard; 0: the op never ran there; > ``guard_applied``: it ran, but the
+            guard could not change it, e.g. a ``log`` whose input no rewritable op made).
+        guard_rewrites: what the applied rewrites became (``log_softmax``, ...), once each.
         wall_s: seconds.
     """
 
@@ -93,6 +97,8 @@ class Outcome:
     first_nonfinite: int | None = None
     error: str | None = None
     guard_applied: int | None = None
+    guard_calls: int | None = None
+    guard_rewrites: tuple[str, ...] = ()
     wall_s: float = 0.0
 
     @property
@@ -254,7 +260,9 @@ class Engine:
                         out.finite, out.first_nonfinite = False, s
                         break
                 guard = current.get("guard")
-                out.guard_applied = None if guard is None else int(guard.applied)
+                if guard is not None:
+                    out.guard_applied, out.guard_calls = int(guard.applied), int(guard.calls)
+                    out.guard_rewrites = tuple(dict.fromkeys(guard.rewrites))
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code under a change
             out.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
             out.finite = False

@@ -34,6 +34,13 @@ _DUNDER = {"__pow__": "pow", "__ipow__": "pow"}
 GUARDABLE = _EPS_OPS | {"div"} | _CLAMP_OPS
 #: Culprit ops with a numerically stable rewrite when their input has the right producer.
 REWRITABLE = frozenset({"log"})
+#: Ops that pick, drop or move elements without changing their values, so an elementwise ``log``
+#: commutes with them: ``log(p.gather(1, y))`` is ``log_softmax(z).gather(1, y)`` when
+#: ``p = softmax(z)``. A hand-written NLL (softmax, pick the label's column, log) puts them between
+#: the producer and the log; without them the rewrite found no producer and changed nothing.
+_CARRY = frozenset({"gather", "take_along_dim", "index_select", "masked_select", "__getitem__",
+                    "select", "narrow", "squeeze", "unsqueeze", "view", "reshape", "flatten",
+                    "transpose", "t", "permute", "expand", "contiguous", "clone"})
 
 
 def base_name(op: str | None) -> str | None:
@@ -75,8 +82,15 @@ class _Guard(TorchFunctionMode):
         self.guard, self.inside = guard, inside
         self.name = base_name(guard.op)
         self.applied = 0
-        # id(output) -> (weakref to it, producer name, producer input, dim): for rewrites
-        self.made: dict[int, tuple[Any, str, Any, Any]] = {}
+        #: calls of the op where the guard looks, changed or not: ``applied == 0 < calls`` says
+        #: the op ran there but no call site could be changed (a rewrite found no producer).
+        self.calls = 0
+        #: what each applied rewrite became (``log_softmax``, ...), in call order
+        self.rewrites: list[str] = []
+        # id(output) -> (weakref to it, producer name, producer input, dim, carried ops): for
+        # rewrites; the carried ops (:data:`_CARRY`, with their other arguments) ran on the
+        # producer's output before the log and are replayed on the rewrite's output.
+        self.made: dict[int, tuple[Any, str, Any, Any, tuple[Any, ...]]] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
@@ -86,7 +100,14 @@ class _Guard(TorchFunctionMode):
             return func(*args, **kwargs)
         name = fname.rstrip("_") if not fname.startswith("__") else _DUNDER.get(fname, fname)
         g = self.guard
+        if name == self.name or (self.name == "div" and name in _DIV_OPS):
+            self.calls += 1
         if g.mode == "rewrite":
+            if args and isinstance(args[0], torch.Tensor) and name != "log" and (
+                    fname == "__setitem__" or fname.startswith("__i")
+                    or (fname.endswith("_") and not fname.startswith("__"))):
+                # changed in place: it no longer holds what its producer made
+                self.made.pop(id(args[0]), None)
             return self._rewrite(func, name, args, kwargs)
         if name == self.name or (self.name == "div" and name in _DIV_OPS):
             args = list(args)
@@ -115,19 +136,27 @@ class _Guard(TorchFunctionMode):
         if name == "log" and args and isinstance(args[0], torch.Tensor):
             made = self.made.get(id(args[0]))
             if made is not None and made[0]() is args[0]:
-                _ref, producer, z, dim = made
+                _ref, producer, z, dim, carried = made
                 self.applied += 1
+                self.rewrites.append(_STABLE[producer])
                 if producer == "sigmoid":
-                    return F.logsigmoid(z)
-                if producer == "softmax":
-                    return F.log_softmax(z, dim=dim)
-                if producer == "1+exp":
-                    return F.softplus(z)
-                if producer == "1+x":
-                    return torch.log1p(z)
+                    out = F.logsigmoid(z)
+                elif producer == "softmax":
+                    out = F.log_softmax(z, dim=dim)
+                elif producer == "1+exp":
+                    out = F.softplus(z)
+                else:  # "1+x"
+                    out = torch.log1p(z)
+                for f, rest, kw in carried:
+                    out = f(out, *rest, **kw)
+                return out
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor) and args:
             x = args[0]
+            prev = self.made.get(id(x)) if isinstance(x, torch.Tensor) else None
+            if name in _CARRY and prev is not None and prev[0]() is x and prev[1] != "exp":
+                self._note(out, prev[1], prev[2], prev[3], (*prev[4], (func, tuple(args[1:]), kwargs)))
+                return out
             if name == "sigmoid" and isinstance(x, torch.Tensor):
                 self._note(out, "sigmoid", x, None)
             elif name == "softmax" and isinstance(x, torch.Tensor):
@@ -138,14 +167,20 @@ class _Guard(TorchFunctionMode):
                 t, c = (args[0], args[1]) if isinstance(args[0], torch.Tensor) else (args[1], args[0])
                 if isinstance(t, torch.Tensor) and isinstance(c, (int, float)) and c == 1:
                     prev = self.made.get(id(t))
-                    if prev is not None and prev[0]() is t and prev[1] == "exp":
+                    if prev is not None and prev[0]() is t and prev[1] == "exp" and not prev[4]:
                         self._note(out, "1+exp", prev[2], None)
                     else:
                         self._note(out, "1+x", t, None)
         return out
 
-    def _note(self, out: torch.Tensor, producer: str, z: Any, dim: Any) -> None:
-        self.made[id(out)] = (weakref.ref(out), producer, z, dim)
+    def _note(self, out: torch.Tensor, producer: str, z: Any, dim: Any, carried: tuple[Any, ...] = ()) -> None:
+        if len(self.made) > 4096:  # outputs of earlier steps: forget the collected ones
+            self.made = {k: v for k, v in self.made.items() if v[0]() is not None}
+        self.made[id(out)] = (weakref.ref(out), producer, z, dim, carried)
+
+
+#: The stable op each producer's ``log`` becomes.
+_STABLE = {"sigmoid": "logsigmoid", "softmax": "log_softmax", "1+exp": "softplus", "1+x": "log1p"}
 
 
 def _module(model: torch.nn.Module, name: str) -> torch.nn.Module:

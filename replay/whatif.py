@@ -13,7 +13,8 @@ Candidates (each one :class:`replay.counterfactual.Change`, only where it applie
 - the optimizer's eps raised (1e-6 for float32 parameters, 1e-4 for half ones).
 
 A row: ``{"change", "finite", "steps_checked", "loss", "loss_distance", "wall_s"}`` (+ ``error``
-when the user's code raised under the change, ``applied`` when the guard found no call site).
+when the user's code raised under the change; for an op guard ``applied``, the call sites it
+changed, ``op_calls``, the op's calls where it looked, and for a rewrite ``rewritten_as``).
 ``loss`` is the last checked step's, ``loss_distance`` the mean |loss - recorded| over the
 checked steps (a non-finite recorded loss counts as the last finite one before the fault).
 Ranked finite first, then least change. A candidate that stays finite for k steps is evidence,
@@ -69,7 +70,7 @@ def candidates(report: Report, engine: Engine, grad_norms: list[float] | None = 
         mode = "clamp" if op in ("acos", "asin", "atanh", "exp", "expm1") else "eps"
         out.append(Change(f"{mode} at {report.op}{where}", guard=OpGuard(op, module, mode)))
     if op and culprit_phase and op in REWRITABLE:
-        out.append(Change(f"stable rewrite of {report.op}{where} (log1p/softplus/logsigmoid/log_softmax)",
+        out.append(Change(f"stable rewrite of {report.op}{where}",  # which one: the row's rewritten_as
                           guard=OpGuard(op, module, "rewrite")))
     rec = engine.recipe_info()
     if module is not None and (rec.autocast_dtype is not None or _half(engine)):
@@ -103,7 +104,7 @@ def _reference(engine: Engine, start: int) -> dict[int, float]:
     return ref
 
 
-def _row(o: Outcome, ref: dict[int, float], applied: int | None = None) -> dict[str, Any]:
+def _row(o: Outcome, ref: dict[int, float]) -> dict[str, Any]:
     dists = [abs(v - ref[s]) for s, v in o.losses.items() if math.isfinite(v) and math.isfinite(ref.get(s, math.nan))]
     row: dict[str, Any] = {"change": o.change.label, "finite": o.finite and o.error is None,
                            "steps_checked": o.steps_checked, "loss": o.last_loss,
@@ -111,8 +112,12 @@ def _row(o: Outcome, ref: dict[int, float], applied: int | None = None) -> dict[
                            "losses": {str(s): v for s, v in sorted(o.losses.items())}, "wall_s": o.wall_s}
     if o.error:
         row["error"] = o.error
-    if applied is not None:
-        row["applied"] = applied
+    if o.guard_applied is not None:
+        # applied 0 with op_calls > 0: the op ran there and the guard could not change it (a
+        # log whose input no sigmoid/softmax/1+x made): not "the op never ran there".
+        row["applied"], row["op_calls"] = o.guard_applied, o.guard_calls
+        if o.guard_rewrites:
+            row["rewritten_as"] = list(o.guard_rewrites)
     return row
 
 
@@ -137,7 +142,7 @@ def what_if(engine: Engine, report: Report, start: int, grad_norms: list[float] 
     rows = []
     for ch in candidates(report, engine, grad_norms):
         o = engine.run(ch, start, follow)
-        row = _row(o, ref, o.guard_applied)
+        row = _row(o, ref)
         if spike_bar is not None and math.isfinite(spike_bar):
             v = o.losses.get(start if spike_step is None else spike_step)
             row["spike"] = v is None or not math.isfinite(v) or v >= spike_bar

@@ -89,6 +89,18 @@ def _title(r: Mapping[str, Any]) -> str:
     return f"[sentineld] replay of run {run}: step {step} went non-finite in {phase}{where}"
 
 
+def _module_line(r: Mapping[str, Any]) -> str:
+    """``module: fc2 (Linear)``; without a module name (the root module, the loss, the
+    optimizer...) the ``where`` says it, once: ``module: the model's own forward (Net)``, not
+    ``module: - (Net), the model's own forward (Net)``."""
+    module, mtype, where = r.get("module"), r.get("module_type"), str(r.get("where") or "")
+    if module:
+        return f"module: {module} ({mtype or '-'})"
+    if where:
+        return f"module: {where}" + (f" ({mtype})" if mtype and mtype not in where else "")
+    return f"module: - ({mtype or '-'})"
+
+
 def _micro_batch(ev: Mapping[str, Any]) -> str | None:
     """``2 of 3`` (1-based) when the step accumulated gradients over several micro-batches (one
     loss per micro-batch in ``micro_losses``); for a data verdict the micro-batch is the first
@@ -186,12 +198,11 @@ def render_verdict(report: Any, fmt: str = "text") -> tuple[str, str]:
     if r.get("kind") == "spike":
         return _render_spike(r, fmt)
     step, phase = r.get("step", "?"), r.get("phase", "none")
-    mtype, node = r.get("module_type"), r.get("autograd_node")
+    node = r.get("autograd_node")
     ev: Mapping[str, Any] = r.get("evidence") or {}
     lines = [
         f"phase: {phase}",
-        f"module: {r.get('module') or '-'} ({mtype or '-'})"
-        + (f", {r['where']}" if r.get("where") and not r.get("module") else ""),  # null module: the loss, ...
+        _module_line(r),
         f"op: {r.get('op') or '-'}" + (f"  autograd node: {node}" if node else ""),
         f"step: {step} (requested {r.get('requested_step', step)})",
     ]

@@ -81,12 +81,28 @@ def what_if_lines(r: Mapping[str, Any]) -> list[str]:
         if row.get("error"):
             note += f"  error: {str(row['error'])[:60]}"
         elif row.get("applied") == 0:
-            note += "  (the op never ran there)"
+            note += "  " + _unchanged(row)
+        elif row.get("rewritten_as"):
+            note += f"  (as {', '.join(map(str, row['rewritten_as']))})"
         out.append(f"  {str(row.get('change'))[:52]:<52} {str(bool(row.get('finite'))):<6} "
                    f"{int(row.get('steps_checked') or 0):>5} {_num(row.get('loss')):>11} "
                    f"{_num(row.get('loss_distance')):>10}{note}")
     out.append(f"  note: {WHAT_IF_NOTE}")
     return out
+
+
+def _unchanged(row: Mapping[str, Any]) -> str:
+    """Why a guard row changed nothing: the op never ran where it looked, or it ran and its call
+    sites could not be changed (a ``log`` rewrite needs an input made by sigmoid, softmax, 1+x
+    or 1+exp). A row without ``op_calls`` (a verdict of schema 3 before it) says no more than that."""
+    calls = row.get("op_calls")
+    if calls is None:
+        return "(no call site changed)"
+    if not calls:
+        return "(the op never ran there)"
+    if "rewrite" in str(row.get("change")):
+        return f"(no change: ran {calls}x, input not from sigmoid/softmax/1+x/1+exp)"
+    return f"(no change: ran {calls}x)"
 
 
 def reproducibility_lines(r: Mapping[str, Any]) -> list[str]:

@@ -51,3 +51,22 @@ def test_sample_rows_are_compressed_to_ranges() -> None:
     assert rows_text([1, 2, 5]) == "[1, 2, 5]"
     assert rows_text([0, 1, 2, 7, 9, 10, 11, 12]) == "[0..2, 7, 9..12] (8 rows)"
     assert rows_text([]) == "[]"
+
+
+def test_a_verdict_without_a_module_name_says_where_once() -> None:
+    """A NaN made in the root module's own forward (module "") read "module: - (Net), the model's
+    own forward (Net)": the type twice and a dash for the module. The places come from the
+    localizer itself (replay/localize.py ``_place``), as a replay writes them."""
+    from sentineld.replay.localize import _place
+
+    def module_lines(**place: object) -> list[str]:
+        r = Report(run_id="r", rank=0, step=3, requested_step=3, phase="forward", op="aten.log", **place)
+        return [ln for ln in render_text(r).splitlines() if ln.startswith("module:")]
+
+    assert module_lines(**_place("", "Net")) == ["module: the model's own forward (Net)"]
+    assert module_lines(**_place("<CrossEntropyLoss>", None)) == \
+        ["module: loss module CrossEntropyLoss, outside the model"]
+    assert module_lines(**_place(None, None)) == ["module: loss function, outside the model"]
+    assert module_lines(**_place("fc2", "Linear")) == ["module: fc2 (Linear)"]
+    root = Report(run_id="r", rank=0, step=3, requested_step=3, phase="forward", op="aten.log", **_place("", "Net"))
+    assert render_text(root).splitlines()[0].endswith("went non-finite in forward, in the model's own forward (Net)")

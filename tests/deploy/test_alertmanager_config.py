@@ -54,7 +54,10 @@ def test_routes(labels: list[str], receiver: str) -> None:
 def test_grouping_and_inhibition_settings() -> None:
     doc = yaml.safe_load(CONFIG.read_text())
     assert doc["route"]["group_by"] == ["run"]  # one group per run: incident, verdict, crash
-    rule, fallback = doc["inhibit_rules"]
+    rule, fallback, replicas = doc["inhibit_rules"]
+    # ... and its replica_divergence alert mutes the rule that reads it off the daemon's gauge.
+    assert replicas["source_matchers"][0] == 'alertname="SentineldReplicaDivergence"'
+    assert replicas["target_matchers"] == ['alertname="SentineldReplicasDiverged"'] and replicas["equal"] == ["run"]
     # The daemon's non-finite alert mutes the rules' fallback alerts of the same run.
     assert fallback["source_matchers"][0] == 'alertname="SentineldNonfinite"'
     assert fallback["equal"] == ["run"]

@@ -80,6 +80,7 @@ RULE_SIGNATURE = {
     "SentineldLossNonFinite": "nonfinite", "SentineldGradNormNonFinite": "nonfinite",
     "SentineldNonFiniteSteps": "nonfinite", "SentineldLossScaleCollapsed": "loss_scale_collapse",
     "SentineldDeadReLU": "dead_relu", "SentineldTrainingStalled": "stalled",
+    "SentineldReplicasDiverged": "replica_divergence",
 }
 
 
@@ -91,6 +92,22 @@ def test_rule_and_daemon_agree_on_severity() -> None:
     rules = {r["alert"]: r["labels"]["severity"] for r in alert_rules()}
     assert set(RULE_SIGNATURE) <= set(rules)
     assert {a: rules[a] for a in RULE_SIGNATURE} == {a: SIGNATURES[s] for a, s in RULE_SIGNATURE.items()}
+
+
+def test_replica_divergence_has_a_rule_on_the_daemons_signature() -> None:
+    """No rule paged the replica_divergence signature (no agent series shows it): a daemon without
+    an Alertmanager URL reported it to nobody but its own notify URLs. rules.test.yml fires it from
+    the daemon's gauge and keeps it quiet for other runs and other signatures."""
+    rules = {r["alert"]: r for r in alert_rules()}
+    assert 'signature="replica_divergence"' in rules["SentineldReplicasDiverged"]["expr"]
+    assert "sentineld_signature_active" in rules["SentineldReplicasDiverged"]["expr"]
+    # Alertmanager mutes it while the daemon's own alert for the run is active (one page)
+    from sentineld.daemon.alertmanager import alertname_for
+
+    am = yaml.safe_load((DEPLOY / "alertmanager" / "alertmanager.yml").read_text())
+    assert any(f'alertname="{alertname_for("replica_divergence")}"' in i["source_matchers"]
+               and i["target_matchers"] == ['alertname="SentineldReplicasDiverged"'] and i["equal"] == ["run"]
+               for i in am["inhibit_rules"])
 
 
 def test_every_rule_has_unit_tests() -> None:

@@ -22,6 +22,10 @@ Non-finite faults (what-if / reproducibility):
 - ``log_zero``: ``log(sigmoid(z))`` in the model, whose sigmoid is exactly 0 for the batch of
   step ``AT`` (inputs x1e5 there: 0 in float64 too): log(0) (an eps / clamp / logsigmoid fix;
   software);
+- ``log_zero_nll``: a hand-written NLL in the loss function, ``-log(softmax(z).gather(1, y))``,
+  with the inputs of step ``AT`` x1e5 as for ``log_zero``: the label's probability underflows to
+  exactly 0 for some rows, log(0) outside the model (its stable rewrite is ``log_softmax``
+  through the gather);
 - ``lr_high``: SGD at lr 10 from step ``AT`` (a schedule factor x100): the loss overflows within a
   few steps (lr x0.1 or clipping keeps it finite);
 - ``transient``: a module that corrupts its output only in the training process, from a source
@@ -141,6 +145,13 @@ def nll(model: nn.Module, batch: Any) -> torch.Tensor:
     return F.nll_loss(model(x), y)
 
 
+def picked_nll(model: nn.Module, batch: Any) -> torch.Tensor:
+    """Cross-entropy by hand: the label's softmax probability, then its log."""
+    x, y = batch
+    p = torch.softmax(model(x), dim=-1)
+    return -torch.log(p.gather(1, y[:, None]).squeeze(1)).mean()
+
+
 def make_data() -> Recipe:
     torch.manual_seed(0)
     m = Net()
@@ -176,6 +187,12 @@ def make_log_zero() -> Recipe:
     return Recipe(model=m, optimizer=torch.optim.Adam(m.parameters(), 1e-3), loss_fn=nll)
 
 
+def make_log_zero_nll() -> Recipe:
+    torch.manual_seed(0)
+    m = Net()
+    return Recipe(model=m, optimizer=torch.optim.Adam(m.parameters(), 1e-3), loss_fn=picked_nll)
+
+
 def make_lr_high() -> Recipe:
     torch.manual_seed(0)
     m = Net()
@@ -198,7 +215,7 @@ def make_fp16_overflow() -> Recipe:
 
 CASES = {"data": make_data, "lr_jump": make_lr_jump, "adam_module": make_adam_module,
          "interaction": make_interaction,
-         "log_zero": make_log_zero, "lr_high": make_lr_high, "transient": make_transient,
+         "log_zero": make_log_zero, "log_zero_nll": make_log_zero_nll, "lr_high": make_lr_high, "transient": make_transient,
          "fp16_overflow": make_fp16_overflow}
 
 
@@ -211,7 +228,7 @@ def batch_of(case: str, step: int, g: torch.Generator) -> tuple[torch.Tensor, to
         x[:, 0] = 2.0 if step == AT else 0.0
     if step == AT and case == "data":
         x[list(BAD_SAMPLES)] *= -20.0
-    if step == AT and case == "log_zero":
+    if step == AT and case in ("log_zero", "log_zero_nll"):
         x = x * 1e5
     if step == AT and case == "fp16_overflow":
         x = x * 20.0

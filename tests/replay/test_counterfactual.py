@@ -15,6 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from sentineld.contracts.recipe import train_step
 from sentineld.contracts.rundir import list_captures
 from sentineld.contracts.verdict import render_text
 from sentineld.replay.engine import replay_run
@@ -108,6 +109,35 @@ def test_what_if_log_zero_eps_fixes_it_and_class_is_software(tmp_path: Path) -> 
     wi = v["evidence"]["what_if"]
     print(f"what-if (log 0): {len(rows)} candidates, {wi['per_candidate_s']:.3f} s each, {wi['total_s']:.3f} s total; "
           f"reproducibility {rep['wall_s']:.3f} s")
+
+
+@pytest.mark.usefixtures("at_repo")
+def test_what_if_log_zero_behind_a_gather_is_rewritten_not_never_ran(tmp_path: Path) -> None:
+    """Leftover of issue 25: for a hand-written NLL (softmax, the label's column, log) the table
+    read "stable rewrite of aten.log ... (the op never ran there)" while the verdict named that very
+    op: the rewrite knew only a log straight on softmax's output, and 0 rewrites read as 0 calls."""
+    run = _run("log_zero_nll", tmp_path)
+    v = _verdict(run, _captures(run, "nonfinite")[0], what_if=True)
+    assert (v["phase"], v["module"], v["op"], v["step"]) == ("forward", None, "aten.log", AT)
+    guarded = [r for r in v["what_if"] if "op_calls" in r]
+    assert {r["change"] for r in guarded} == {"eps at aten.log", "stable rewrite of aten.log"}
+    assert all(r["op_calls"] >= 1 for r in guarded)  # the verdict's op ran under every guard
+    rw = next(r for r in guarded if r["change"] == "stable rewrite of aten.log")
+    assert rw["applied"] == rw["op_calls"] and rw["rewritten_as"] == ["log_softmax"]
+    assert rw["finite"] and rw["steps_checked"] >= 2
+    # log_softmax through the gather is cross-entropy: the rewritten step's loss is F.cross_entropy
+    # on the state before step AT, rebuilt here by plain training without the product
+    rec = sc.make_log_zero_nll()
+    g = torch.Generator().manual_seed(1)
+    for s in range(AT):
+        train_step(rec, sc.batch_of("log_zero_nll", s, g))
+    x, y = sc.batch_of("log_zero_nll", AT, g)
+    with torch.no_grad():
+        assert not math.isfinite(float(sc.picked_nll(rec.model, (x, y))))  # the plant: log(0)
+        want = float(torch.nn.functional.cross_entropy(rec.model(x), y))
+    assert math.isclose(rw["losses"][str(AT)], want, rel_tol=1e-5), (rw["losses"], want)
+    text = render_text(v)
+    assert "never ran" not in text and "(as log_softmax)" in text
 
 
 @pytest.mark.usefixtures("at_repo")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,11 +50,55 @@ def test_rewrite_log_sigmoid_is_logsigmoid() -> None:
     assert g.applied == 1 and torch.allclose(out, F.logsigmoid(m.lin(x)))
 
 
+def test_rewrite_carries_through_the_ops_between_softmax_and_log() -> None:
+    """A hand-written NLL picks the label's column before the log: log(softmax(z)[rows, y]) is
+    log_softmax(z)[rows, y], gather/squeeze/indexing alike; the rewrite used to change nothing."""
+    z = torch.tensor([[0.0, 200.0, -200.0], [5.0, 1.0, 0.0]], requires_grad=True)
+    y = torch.tensor([2, 0])
+    want = F.log_softmax(z, -1).gather(1, y[:, None]).squeeze(1)
+    for pick in (lambda p: p.gather(1, y[:, None]).squeeze(1), lambda p: p[torch.arange(2), y],
+                 lambda p: torch.gather(p, 1, y.view(2, 1)).flatten()):
+        assert torch.isinf(torch.log(pick(torch.softmax(z, -1)))).any()  # softmax gives an exact 0
+        with op_guard(nn.Identity(), OpGuard("aten.log", None, "rewrite")) as g:
+            out = torch.log(pick(torch.softmax(z, -1)))
+        assert (g.applied, g.calls, g.rewrites) == (1, 1, ["log_softmax"])
+        assert torch.isfinite(out).all() and torch.allclose(out, want)
+        (gz,) = torch.autograd.grad(-out.sum(), z)
+        assert torch.isfinite(gz).all()
+
+
+def test_rewrite_skips_a_producer_output_changed_in_place() -> None:
+    # softmax, then an in-place edit: log(p) is no longer log_softmax(z), so nothing is rewritten
+    z = torch.tensor([[0.0, 50.0, -50.0]])
+    for edit in (lambda p: p.clamp_(min=0.25), lambda p: p.__setitem__((0, 2), 0.5), lambda p: p.mul_(2.0)):
+        with op_guard(nn.Identity(), OpGuard("log", None, "rewrite")) as g:
+            p = torch.softmax(z, -1)
+            edit(p)
+            out = torch.log(p)
+        assert (g.applied, g.calls) == (0, 1) and torch.equal(out, torch.log(p))
+
+
+def test_guard_counts_calls_it_could_not_change() -> None:
+    """A log of a ReLU output has nothing to rewrite: 0 applied but 1 call, and the table says the
+    op ran (the verdict named it) instead of "(the op never ran there)"."""
+    from sentineld.contracts.render_cf import what_if_lines
+
+    x = torch.tensor([0.0, 1.0])
+    with op_guard(nn.Identity(), OpGuard("log", None, "rewrite")) as g:
+        torch.log(torch.relu(x))
+    assert (g.applied, g.calls) == (0, 1)
+    row = {"change": "stable rewrite of aten.log", "finite": False, "steps_checked": 1,
+           "loss": math.inf, "loss_distance": None, "applied": 0, "op_calls": 1}
+    text = "\n".join(what_if_lines({"what_if": [row]}))
+    assert "never ran" not in text and "ran 1x, input not from sigmoid/softmax/1+x/1+exp" in text
+    assert "(the op never ran there)" in "\n".join(what_if_lines({"what_if": [{**row, "op_calls": 0}]}))
+
+
 def test_guard_only_inside_its_module() -> None:
     m = LogSig()
     with op_guard(m, OpGuard("log", "lin", "eps")) as g:  # the log runs outside `lin`
         m(_x())
-    assert g.applied == 0
+    assert g.applied == 0 and g.calls == 0
 
 
 def test_fp32_module_under_autocast() -> None:

@@ -30,8 +30,13 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: A
         loss_fn: ``(model, batch) -> scalar loss`` as the loop computes it: the training process
             then localizes its own incidents (see :mod:`sentineld.agent.localize_live`), no recipe
             needed. Without it and without a recipe, forward NaNs are still localized.
-        localize: ``"thread"`` (default: in a background thread after the capture; memory: a
-            second copy of model + optimizer state while it runs, logged at attach) or ``"off"``.
+        localize: where the training process localizes its own incidents
+            (``sentineld.contracts.verdict_file.LOCALIZE_MODES``): ``"auto"`` (default:
+            ``"process"`` when the run's live objects can be rebuilt from their recorded
+            structure, else ``"thread"``), ``"process"`` (a child process: a ``loss_fn`` that
+            holds the GIL or hangs cannot stall training), ``"thread"`` (a background thread;
+            memory: a second copy of model + optimizer state while it runs, logged at attach)
+            or ``"off"`` (left to the daemon's replay). run.json records the mode chosen.
         clip_grad_norm: the max norm the loop clips gradients to (``clip_grad_norm_`` before
             ``optimizer.step()``): the recorded grad norm is then the pre-clip one, taken at the
             end of backward, and each record's ``clipped`` says whether the clip applied; the

@@ -27,6 +27,8 @@ __all__ = ["preflight", "render"]
 
 #: A check failed (0 and 2 are the CLI's, from sentineld.contracts.errors).
 EXIT_FAILED = 1
+#: Widest the "what was seen" and "fix" columns get (characters); longer text wraps at words.
+TEXT_COLUMN_WIDTH = 72
 _STYLE = {PASS: "green", WARN: "yellow", FAIL: "bold red", SKIP: "dim"}
 
 
@@ -74,7 +76,9 @@ def render(checks: list[Check]) -> None:
     console = make_console()  # piped output is not cut at 80 columns
     table = Table(title="sentineld preflight", show_lines=True)
     for col in ("#", "check", "status", "what was seen", "fix"):
-        table.add_column(col, overflow="fold")
+        # The text columns wrap at words: off a terminal the console is unbounded (no cut
+        # commands), which made a ~700-column table of one-line cells.
+        table.add_column(col, overflow="fold", max_width=TEXT_COLUMN_WIDTH if col in ("what was seen", "fix") else None)
     for i, c in enumerate(checks, 1):
         table.add_row(str(i), c.name, f"[{_STYLE[c.status]}]{c.status}[/]", c.message, c.fix)
     console.print(table)

@@ -141,3 +141,6 @@ def test_piped_table_is_not_cut_and_blocked_checks_name_their_blocker_once(workd
     assert "fix the labels check first, then rerun preflight" in rows[0]  # whole, on its row
     assert "first fix the failed checks above" not in r.stdout
     assert "1 fail, 8 not run (blocked by a failed check)" in r.stdout
+    # ...and not one line per row either: piped, the unbounded width made a ~700-column table
+    # (a new user); the text columns wrap at words.
+    assert max(len(line) for line in r.stdout.splitlines()) <= 220, max(r.stdout.splitlines(), key=len)

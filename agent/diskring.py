@@ -5,7 +5,6 @@ the training takes them (format: :mod:`sentineld.contracts.ringformat`; recovery
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import queue
@@ -20,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from sentineld.contracts.h5write import disk_full_error
-from sentineld.contracts.ringformat import Packer, snap_file, step_file, write_ring_file
+from sentineld.contracts.ringformat import LOCK_FILE, META_FILE, Packer, RingMeta, snap_file, step_file, write_ring_file
 from sentineld.contracts.rundir import RunDir
 from sentineld.contracts.safeio import write_atomic
 
@@ -41,14 +40,15 @@ class DiskRingWriter:
         run_dir: the run directory.
         rank: this process's rank.
         window: most steps kept on disk.
-        meta: extra JSON-ready fields for ``meta.json`` (run_id, torch_version, ...).
+        run_id: the run's id, and ``torch_version`` the training's torch, for ``meta.json``
+            (:class:`~sentineld.contracts.ringformat.RingMeta`; the crash capture's attributes).
         on_warning: called once with the warning text (the agent puts it in the stream).
 
     Raises:
         OSError: the directory or its lock cannot be created.
     """
 
-    def __init__(self, run_dir: Path, rank: int, window: int, meta: dict[str, Any] | None = None,
+    def __init__(self, run_dir: Path, rank: int, window: int, *, run_id: str, torch_version: str,
                  on_warning: Callable[[str], None] | None = None) -> None:
         names, n = RunDir(run_dir), 0
         d = run_dir / names.ring_name(rank, os.getpid())
@@ -60,11 +60,11 @@ class DiskRingWriter:
         init = run_dir / f".{d.name}.init"
         shutil.rmtree(init, ignore_errors=True)
         init.mkdir(mode=0o700)
-        self._lock_fd = os.open(init / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        self._lock_fd = os.open(init / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        info = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "window": window,
-                **(meta or {})}
-        write_atomic(init / "meta.json", json.dumps(info), durable=False)
+        meta = RingMeta(rank=rank, pid=os.getpid(), host=socket.gethostname(), window=window, run_id=run_id,
+                        torch_version=torch_version)
+        write_atomic(init / META_FILE, meta.to_json(), durable=False)
         os.rename(init, d)
         self.dir = d
         self.window = window

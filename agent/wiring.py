@@ -113,7 +113,7 @@ def start_disk_ring(config: AgentConfig, run_dir: Path, rank: int, run_id: str,
     try:
         return DiskRingWriter(
             run_dir, rank, config.window,
-            meta={"run_id": run_id, "torch_version": str(torch.__version__)},
+            run_id=run_id, torch_version=str(torch.__version__),
             on_warning=lambda text: stream.put(AgentNotice(AGENT_WARNING, text).to_json(), urgent=True))
     except OSError as exc:
         log.warning("sentineld: on-disk ring off: %s", exc)

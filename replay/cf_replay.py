@@ -2,13 +2,16 @@
 
 - a ``spike`` capture (``capture-...-spike.h5``): the 2x2 spike verdict (:mod:`replay.spike`);
 - ``--what-if`` on any single-rank verdict: candidate fixes (:mod:`replay.whatif`) and the
-  reproducibility class (:mod:`replay.reproducibility`), added to the verdict.
+  reproducibility class (:mod:`replay.reproducibility`), a :class:`WhatIf` the verdict is made with.
+
+Both return what they found; :func:`sentineld.contracts.verdict.make_report` makes the verdict.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,14 +19,14 @@ from sentineld.contracts.capture import CaptureError, open_capture
 from sentineld.contracts.recipe import Recipe
 from sentineld.contracts.rundir import RunMeta, stream_path
 from sentineld.contracts.stream import read_stream
-from sentineld.contracts.verdict import Report
+from sentineld.contracts.verdict import Finding, Replayed, WhatIf
 
 from .counterfactual import Engine, Outcome
 from .reproducibility import reproducibility
 from .spike import explain_spike
 from .whatif import what_if
 
-__all__ = ["spike_replay", "add_what_if", "run_compiled", "run_grad_norms"]
+__all__ = ["spike_replay", "what_if_of", "GROWTH_CAUSES", "run_compiled", "run_grad_norms"]
 
 
 def run_compiled(meta: RunMeta) -> bool:
@@ -52,48 +55,46 @@ def run_grad_norms(run_dir: Path, rank: int, engine: Engine, before: int) -> lis
 
 
 def spike_replay(cap_path: Path, make: Callable[[], Recipe], step: int | None, environment: Callable[[], Any],
-                 *, what: bool = False, compiled: bool = False, repeats: int = 3, t0: float | None = None) -> Report:
-    """The spike verdict of ``step`` (default: the capture's spike step) of a spike capture.
+                 *, what: bool = False, compiled: bool = False, repeats: int = 3, t0: float | None = None
+                 ) -> tuple[Replayed, WhatIf | None]:
+    """The spike verdict of ``step`` (default: the capture's spike step) of a spike capture, and
+    with ``what`` its candidate fixes and reproducibility class.
 
     Raises:
         CaptureError: the step is not a replayable step of the capture.
     """
     t0 = time.perf_counter() if t0 is None else t0
+    extras = None
     with open_capture(cap_path) as cap:
         n = cap.first_step if step is None else step
         if n not in cap.steps or n < cap.snapshot_step:
             raise CaptureError(f"step {n} is not a replayable step of {cap_path.name} (snapshot "
                                f"{cap.snapshot_step}, steps {cap.steps[0]}..{cap.steps[-1]})")
-        report = Report(run_id=cap.run_id, rank=cap.rank, step=n, requested_step=n, phase="none", kind="spike")
         with environment() as in_effect:
             engine = Engine(cap, make)
             engine.state_before(n)
             t1 = time.perf_counter()
-            explain_spike(engine, n, report)
-            report.rebuild_s = round(t1 - t0, 4)
-            report.evidence["snapshot_step"] = cap.snapshot_step
-            report.evidence["torch_flags"] = in_effect
-            report.steps_rebuilt = n - cap.snapshot_step
+            spike = explain_spike(engine, n)
             if what:
-                _extras(report, engine, n, cap_path, compiled, repeats, spike=True)
-    report.capture = str(cap_path)
-    report.elapsed_s = round(time.perf_counter() - t0, 4)
-    return report
+                extras = _extras(spike.found, engine, n, cap_path, cap.rank, compiled, repeats, spike=True,
+                                 recorded_nonfinite=False)
+    return replace(spike, rank=cap.rank, capture=str(cap_path), steps_rebuilt=n - cap.snapshot_step,
+                   rebuild_s=round(t1 - t0, 4), elapsed_s=round(time.perf_counter() - t0, 4),
+                   evidence={"snapshot_step": cap.snapshot_step, "torch_flags": in_effect}), extras
 
 
-def add_what_if(report: Report, cap_path: Path, make: Callable[[], Recipe], environment: Callable[[], Any],
-                *, compiled: bool = False, repeats: int = 3) -> Report:
-    """Add ``what_if`` and ``reproducibility`` to a non-finite verdict of ``cap_path``."""
+def what_if_of(r: Replayed, cap_path: Path, make: Callable[[], Recipe], environment: Callable[[], Any],
+               *, compiled: bool = False, repeats: int = 3) -> WhatIf:
+    """The ``what_if`` rows and ``reproducibility`` of a non-finite replay of ``cap_path``."""
+    f = r.found
     with open_capture(cap_path) as cap, environment():
         engine = Engine(cap, make)
         # a verdict that found every value finite followed the captured steps (auto mode):
         # the fault the run recorded is at the step it asked about
-        start = report.step if report.phase != "none" else report.requested_step
-        _extras(report, engine, start, cap_path, compiled, repeats, spike=False,
-                wi_from=cap.snapshot_step if report.cause_class in GROWTH_CAUSES else None)
-    report.elapsed_s = round(report.elapsed_s + report.evidence["what_if"]["total_s"]
-                             + (report.reproducibility or {}).get("wall_s", 0.0), 4)
-    return report
+        start = f.step if f.phase != "none" else r.requested_step
+        return _extras(f, engine, start, cap_path, r.rank, compiled, repeats, spike=False,
+                       recorded_nonfinite=r.recorded_nonfinite,
+                       wi_from=cap.snapshot_step if f.cause_class in GROWTH_CAUSES else None)
 
 
 #: Causes that grow over steps (the state at the offending step is already broken): their
@@ -101,17 +102,15 @@ def add_what_if(report: Report, cap_path: Path, make: Callable[[], Recipe], envi
 GROWTH_CAUSES = ("lr_too_high", "grad_explosion", "grad_accumulated")
 
 
-def _extras(report: Report, engine: Engine, start: int, cap_path: Path, compiled: bool, repeats: int,
-            spike: bool, wi_from: int | None = None) -> None:
-    bar = report.evidence.get("spike_bar") if spike else None
-    grads = run_grad_norms(cap_path.parent, report.rank, engine, start if wi_from is None else wi_from)
+def _extras(found: Finding, engine: Engine, start: int, cap_path: Path, rank: int, compiled: bool, repeats: int,
+            spike: bool, recorded_nonfinite: bool, wi_from: int | None = None) -> WhatIf:
+    bar = found.evidence.get("spike_bar") if spike else None
+    grads = run_grad_norms(cap_path.parent, rank, engine, start if wi_from is None else wi_from)
     wi_start = start if wi_from is None else wi_from
-    if spike and report.cause_class == "state" and isinstance(report.evidence.get("earlier_state_step"), int):
-        wi_start = report.evidence["earlier_state_step"]  # fix the step that made the spiking state
-    rows, summary = what_if(engine, report, wi_start, grads, spike_bar=bar if isinstance(bar, float) else None,
+    if spike and found.cause_class == "state" and isinstance(found.evidence.get("earlier_state_step"), int):
+        wi_start = found.evidence["earlier_state_step"]  # fix the step that made the spiking state
+    rows, summary = what_if(engine, found, wi_start, grads, spike_bar=bar if isinstance(bar, float) else None,
                             spike_step=start)
-    report.what_if = rows
-    report.evidence["what_if"] = summary
     if spike and isinstance(bar, float) and math.isfinite(bar):
         def faulty(o: Outcome) -> bool:
             v = o.losses.get(start)
@@ -121,7 +120,7 @@ def _extras(report: Report, engine: Engine, start: int, cap_path: Path, compiled
     else:
         def faulty(o: Outcome) -> bool:
             return not o.finite
-        recorded_fault = bool(report.recorded_nonfinite) or any(
+        recorded_fault = recorded_nonfinite or any(
             not math.isfinite(v) for s, v in engine.recorded.items() if s >= start)
-    report.reproducibility = reproducibility(engine, start, faulty=faulty, recorded_fault=recorded_fault,
-                                             compiled=compiled, repeats=repeats)
+    return WhatIf(rows, summary, reproducibility(engine, start, faulty=faulty, recorded_fault=recorded_fault,
+                                                 compiled=compiled, repeats=repeats))

@@ -26,20 +26,20 @@ from typing import Any, Callable, Mapping
 
 from sentineld.contracts.capture import CaptureError, open_capture
 from sentineld.contracts.recipe import Recipe
-from sentineld.contracts.verdict import Report
+from sentineld.contracts.verdict import CompiledCheck, Replayed
 
 from .rebuild import load_snapshot, rebuild, run_step, state_nonfinite
 
-__all__ = ["REL_TOLERANCE", "mark_compiled", "compiled_rerun"]
+__all__ = ["REL_TOLERANCE", "check_compiled", "compiled_rerun"]
 
 #: Relative loss deviation accepted between the eager replay and the compiled run (1e-4: a few
 #: float32 ulps per fused reduction, grown over a few steps of Adam; the DDP replay's bound).
 REL_TOLERANCE = 1e-4
 
 
-def _recorded(report: Report) -> dict[int, float]:
+def _recorded(capture: str) -> dict[int, float]:
     try:
-        with open_capture(report.capture) as cap:
+        with open_capture(capture) as cap:
             recs = cap.records()
     except (CaptureError, OSError):
         return {}
@@ -54,17 +54,22 @@ def _as_float(x: Any) -> float:
         return math.nan
 
 
-def mark_compiled(report: Report, extra: Mapping[str, Any],
-                  rerun: Callable[[str | None], dict[str, Any]] | None = None) -> None:
-    """Fill ``compiled``, ``eager_reproduced`` and ``evidence["compiled"]`` of a compiled run's verdict.
+def check_compiled(r: Replayed, extra: Mapping[str, Any],
+                   rerun: Callable[[str | None], dict[str, Any]] | None = None) -> CompiledCheck:
+    """What the eager replay of a compiled run showed: the verdict's ``eager_reproduced`` and
+    ``evidence["compiled"]``, and the tolerance it was reproduced under (module docstring).
 
     Args:
+        r: the eager replay's result (its ``evidence`` holding ``rebuilt_losses``, and ``ddp``
+            for a data-parallel replay, which compared every rank with its own tolerance).
+        extra: run.json's ``extra`` (``compile_backend``).
         rerun: ``backend -> result`` of :func:`compiled_rerun` for this capture's step, called
             only when eager did not reproduce (None: not re-run, e.g. a DDP replay).
     """
-    report.compiled = True
-    rebuilt = {int(s): _as_float(v) for s, v in dict(report.evidence.get("rebuilt_losses") or {}).items()}
-    recorded = _recorded(report) if "ddp" not in report.evidence else {}
+    evidence = {**r.found.evidence, **r.evidence}
+    ddp = "ddp" in evidence
+    rebuilt = {int(s): _as_float(v) for s, v in dict(evidence.get("rebuilt_losses") or {}).items()}
+    recorded = _recorded(r.capture) if not ddp else {}
     finite = [abs(v) for v in list(rebuilt.values()) + list(recorded.values()) if math.isfinite(v)]
     tol = max(1e-6, REL_TOLERANCE * max(finite, default=1.0))
     worst, within = 0.0, True
@@ -77,24 +82,22 @@ def mark_compiled(report: Report, extra: Mapping[str, Any],
         dev = abs(got - want) if math.isfinite(got) and math.isfinite(want) else math.inf
         worst = max(worst, dev)
         within = within and dev <= tol
-    if "ddp" in report.evidence:  # the DDP replay compared every rank with its own tolerance already
-        within = report.reproduced
+    if ddp:  # the DDP replay compared every rank with its own tolerance already
+        within = r.reproduced
     # The capture was written because the compiled run went non-finite at its incident step;
     # a verdict with a phase is the eager replay making a non-finite value there too.
-    made = report.phase != "none"
-    report.eager_reproduced = bool(made and within)
-    if within and not report.reproduced and recorded:
-        report.reproduced, report.loss_tolerance = True, tol
-        report.max_loss_deviation = worst
+    eager_reproduced = bool(r.found.phase != "none" and within)
     ev: dict[str, Any] = {"backend": extra.get("compile_backend"), "replayed": "eager",
-                          "tolerance": tol, "max_deviation": worst, "eager_reproduced": report.eager_reproduced}
-    if not report.eager_reproduced:
+                          "tolerance": tol, "max_deviation": worst, "eager_reproduced": eager_reproduced}
+    if not eager_reproduced:
         ev["note"] = ("the eager replay does not make the run's non-finite value: the compiled graph (or a "
                       "transient) does. Re-run the captured step compiled under the accuracy minifier: "
                       "TORCHDYNAMO_REPRO_AFTER=aot TORCHDYNAMO_REPRO_LEVEL=4, with the captured batch")
         if rerun is not None:
             ev["compiled_rerun"] = rerun(extra.get("compile_backend"))
-    report.evidence["compiled"] = ev
+    accepted = within and not r.reproduced and bool(recorded)
+    return CompiledCheck(eager_reproduced, ev, tolerance=tol if accepted else None,
+                         max_loss_deviation=worst if accepted else 0.0)
 
 
 def compiled_rerun(cap_path: Path, make: Callable[[], Recipe], step: int, environment: Callable[[], Any],

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,7 +26,7 @@ from sentineld.contracts.capture import CaptureError, first_rank_capture, open_c
 from sentineld.contracts.recipe import Recipe
 from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, parse_capture_name, read_run_meta
 from sentineld.contracts.triggers import NONFINITE, SPIKE
-from sentineld.contracts.verdict import Replayed, Report, make_report
+from sentineld.contracts.verdict import CompiledCheck, Replayed, Report, make_report
 
 from .errors import ReplayError
 from .localize import localize
@@ -176,24 +177,25 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
         from .ddp import replay_ddp  # noqa: PLC0415
 
         named_by += [p for r, p in sorted(ranks.items()) if r]
-        return _mark_compiled(make_report(replay_ddp(ranks, _factory(meta, spec, trust, named_by), step, env, t0=t0),
-                                          meta.run_id), meta.extra)
+        replayed = replay_ddp(ranks, _factory(meta, spec, trust, named_by), step, env, t0=t0)
+        return make_report(replayed, meta.run_id, compiled=_compiled(replayed, meta.extra))
     if meta.world_size > 1 and _is_spike(cap_path):
         raise ReplayError(f"{cap_path.name}: a loss-spike verdict of a {meta.world_size}-rank run is not "
                           "replayed yet (each rank's step used all ranks' gradients); replay a "
                           "single-process run's spike, or the non-finite captures of this run")
     if not missing and (what_if or _is_spike(cap_path)):
-        from .cf_replay import add_what_if, run_compiled, spike_replay  # noqa: PLC0415
+        from .cf_replay import run_compiled, spike_replay, what_if_of  # noqa: PLC0415
 
-        if _is_spike(cap_path):
-            spiked = spike_replay(cap_path, _factory(meta, spec, trust, named_by), step, env, what=what_if,
-                                  compiled=run_compiled(meta), repeats=repeats, t0=t0)
-            spiked.run_id = meta.run_id
-            return spiked
-        found = make_report(replay_capture(cap_path, lambda: _factory(meta, spec, trust, named_by), step, env,
-                                           t0=t0), meta.run_id)
-        return _mark_compiled(add_what_if(found, cap_path, _factory(meta, spec, trust, named_by), env,
-                                          compiled=run_compiled(meta), repeats=repeats), meta.extra)
+        if _is_spike(cap_path):  # a spike verdict says nothing of the compiler but its reproducibility
+            spiked, extras = spike_replay(cap_path, _factory(meta, spec, trust, named_by), step, env, what=what_if,
+                                          compiled=run_compiled(meta), repeats=repeats, t0=t0)
+            return make_report(spiked, meta.run_id, what_if=extras)
+        replayed = replay_capture(cap_path, lambda: _factory(meta, spec, trust, named_by), step, env, t0=t0)
+        wi = what_if_of(replayed, cap_path, _factory(meta, spec, trust, named_by), env,
+                        compiled=run_compiled(meta), repeats=repeats)
+        elapsed = round(replayed.elapsed_s + wi.summary["total_s"] + wi.reproducibility.get("wall_s", 0.0), 4)
+        return make_report(replayed, meta.run_id, what_if=wi, elapsed_s=elapsed,
+                           compiled=_compiled(replayed, meta.extra))
     try:
         replayed = replay_capture(cap_path, lambda: _factory(meta, spec, trust, named_by), step, env, t0=t0)
     except ReplayError as exc:
@@ -207,28 +209,26 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
     if missing:
         from .ddp import partial_evidence  # noqa: PLC0415
 
-        report = make_report(replayed, meta.run_id,
-                             evidence=partial_evidence(replayed.rank, meta.world_size, missing))
-    else:
-        report = make_report(replayed, meta.run_id)
+        replayed = replace(replayed, evidence={**replayed.evidence,
+                                               **partial_evidence(replayed.rank, meta.world_size, missing)})
 
     def rerun(backend: str | None) -> dict[str, Any]:
         from .compiled import compiled_rerun  # noqa: PLC0415
 
-        return compiled_rerun(cap_path, _factory(meta, spec, trust, named_by), report.step, env, backend)
+        return compiled_rerun(cap_path, _factory(meta, spec, trust, named_by), replayed.found.step, env, backend)
 
-    return _mark_compiled(report, meta.extra, rerun)
+    return make_report(replayed, meta.run_id, compiled=_compiled(replayed, meta.extra, rerun))
 
 
-def _mark_compiled(report: Report, extra: Any, rerun: Callable[[str | None], dict[str, Any]] | None = None
-                   ) -> Report:
+def _compiled(r: Replayed, extra: Any, rerun: Callable[[str | None], dict[str, Any]] | None = None
+              ) -> CompiledCheck | None:
     """A compiled run's verdict says it was replayed eagerly (replay/compiled.py); a fault eager
-    did not make is re-run compiled (``rerun``, single-capture replays)."""
+    did not make is re-run compiled (``rerun``, single-capture replays). None: an eager run."""
     if isinstance(extra, dict) and extra.get("compiled") is True:
-        from .compiled import mark_compiled  # noqa: PLC0415
+        from .compiled import check_compiled  # noqa: PLC0415
 
-        mark_compiled(report, extra, rerun)
-    return report
+        return check_compiled(r, extra, rerun)
+    return None
 
 
 def replay_capture(cap_path: Path, factory: Callable[[], Callable[[], Recipe]], step: int | None,

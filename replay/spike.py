@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from sentineld.contracts.recipe import Recipe
-from sentineld.contracts.verdict import Report
+from sentineld.contracts.verdict import Finding, Replayed
 
 from .counterfactual import Change, Engine
 from .persample import per_sample, responsible
@@ -164,14 +164,15 @@ def _blame_state(engine: Engine, n: int, e: int, rec: Recipe) -> dict[str, Any]:
     return out
 
 
-def explain_spike(engine: Engine, n: int, report: Report) -> Report:
-    """Fill ``report`` (``kind`` spike) with the 2x2 verdict of step ``n``.
+def explain_spike(engine: Engine, n: int) -> Replayed:
+    """The 2x2 verdict of step ``n``: a :class:`Finding` of ``kind`` spike (``phase`` none, every
+    value being finite), with whether the rebuild reproduced the recorded loss; the caller adds
+    where it came from (rank, capture, rebuild).
 
     Raises:
         ValueError: ``n`` is not a captured step at or after the snapshot.
     """
     t0 = time.perf_counter()
-    report.kind, report.step, report.phase = "spike", n, "none"
     recorded = engine.recorded.get(n)
     earlier = [v for s, v in sorted(engine.recorded.items()) if s < n and math.isfinite(v)]
     this = engine.run(Change("the spiking step as recorded"), n)
@@ -206,75 +207,76 @@ def explain_spike(engine: Engine, n: int, report: Report) -> Report:
     state_both = spikes(cells["this_state_neighbour_batch"])
     reproduced_spike = math.isfinite(ref) and math.isfinite(l_nn) and l_nn > ref and (
         recorded is None or not math.isfinite(recorded) or l_nn - ref >= SPIKE_SHARE * (recorded - ref))
-    ev = report.evidence
-    ev.update(losses=cells, reference_loss=ref, spike_bar=bar, recorded_loss=recorded, replayed_loss=l_nn,
-              earlier_state_step=e, neighbour_batch_step=j, spike_share=SPIKE_SHARE,
-              recorded_losses={str(s): v for s, v in sorted(engine.recorded.items())})
+    ev: dict[str, Any] = dict(
+        losses=cells, reference_loss=ref, spike_bar=bar, recorded_loss=recorded, replayed_loss=l_nn,
+        earlier_state_step=e, neighbour_batch_step=j, spike_share=SPIKE_SHARE,
+        recorded_losses={str(s): v for s, v in sorted(engine.recorded.items())})
     rec = engine.fresh(n)
     if not reproduced_spike:
-        report.cause_class = "not_reproduced"
-        report.cause = (f"the replayed loss {l_nn:.4g} of step {n} is not a spike over the reference "
-                        f"{ref:.4g} (recorded {recorded})")
-        report.fix = "a source the capture does not hold changed the step (see reproducibility with --what-if)"
+        found = Finding(n, kind="spike", cause_class="not_reproduced", evidence=ev,
+                        cause=(f"the replayed loss {l_nn:.4g} of step {n} is not a spike over the reference "
+                               f"{ref:.4g} (recorded {recorded})"),
+                        fix="a source the capture does not hold changed the step (see reproducibility with --what-if)")
     elif batch_both and not (state_both and (cells["this_state_neighbour_batch"] or 0)
                              > (cells["earlier_state_this_batch"] or 0)):  # both: the larger one
-        _data(report, engine, n, rec)
+        found = _data(engine, n, rec, ev)
     elif state_both:
-        _state(report, engine, n, e, rec)
+        found = _state(engine, n, e, rec, ev)
     else:
-        report.cause_class = "interaction"
-        report.cause = ("only this batch on this state spikes: neither the batch on the earlier state nor "
-                        "another batch on this state does")
-        report.fix = ("lower the lr or clip for this stretch, or skip the step (as OLMo-core's skip-step "
-                      "optimizer does)")
-    report.reproduced = engine.rebuilt.equal and recorded is not None and same_loss(l_nn, recorded)
+        found = Finding(n, kind="spike", cause_class="interaction", evidence=ev,
+                        cause=("only this batch on this state spikes: neither the batch on the earlier state nor "
+                               "another batch on this state does"),
+                        fix=("lower the lr or clip for this stretch, or skip the step (as OLMo-core's skip-step "
+                             "optimizer does)"))
     dev = engine.rebuilt.max_deviation
     if recorded is not None and not same_loss(l_nn, recorded):
         dev = max(dev, abs(l_nn - recorded) if math.isfinite(l_nn) and math.isfinite(recorded) else math.inf)
-    report.max_loss_deviation = dev
-    report.localize_s = round(time.perf_counter() - t0, 4)
-    return report
+    return Replayed(found, requested_step=n, max_loss_deviation=dev, localize_s=round(time.perf_counter() - t0, 4),
+                    reproduced=engine.rebuilt.equal and recorded is not None and same_loss(l_nn, recorded))
 
 
-def _data(report: Report, engine: Engine, n: int, rec: Recipe) -> None:
+def _data(engine: Engine, n: int, rec: Recipe, ev: dict[str, Any]) -> Finding:
     batch, _ = engine.load(n)
     ps = per_sample(rec, batch)
     named = responsible(ps)
-    report.cause_class, report.samples = "data", named  # phase stays "none": every value is finite
     losses = ps.get("losses") or []
     if losses:
         total = sum(v for v in losses if math.isfinite(v))
         med = sorted(losses)[len(losses) // 2]
         carried = sum(losses[i] - med for i in named if math.isfinite(losses[i]))
         excess = sum(v - med for v in losses if math.isfinite(v) and v > med) or 1.0
-        report.evidence["per_sample"] = {
+        ev["per_sample"] = {
             "method": ps["method"], "top": [{"sample": i, "loss": losses[i], "grad_share": ps["grad_share"][i]}
                                            for i in named[:16]],
             "batch_median_loss": med, "share_of_excess": carried / excess, "batch_mean_loss": total / len(losses),
             **({"fallback_because": ps["fallback_because"]} if ps.get("fallback_because") else {})}
     else:
-        report.evidence["per_sample"] = ps
-    report.where = f"input batch of step {n}, samples {named[:8]}"
-    report.cause = (f"the batch of step {n} spikes on the earlier state too: samples {named[:8]} carry "
-                    "most of it")
-    report.fix = ("inspect those samples (labels, scale, a corrupted record); drop or skip them, or clip "
-                  "gradients")
+        ev["per_sample"] = ps
+    # phase stays "none": every value is finite
+    return Finding(n, kind="spike", cause_class="data", samples=named, evidence=ev,
+                   where=f"input batch of step {n}, samples {named[:8]}",
+                   cause=(f"the batch of step {n} spikes on the earlier state too: samples {named[:8]} carry "
+                          "most of it"),
+                   fix=("inspect those samples (labels, scale, a corrupted record); drop or skip them, or clip "
+                        "gradients"))
 
 
-def _state(report: Report, engine: Engine, n: int, e: int | None, rec: Recipe) -> None:
-    report.cause_class = "state"
+def _state(engine: Engine, n: int, e: int | None, rec: Recipe, ev: dict[str, Any]) -> Finding:
     blame = _blame_state(engine, n, e, rec) if e is not None else {"module": None}
-    report.module = blame.get("module") or None
-    if report.module is not None:
+    module = blame.get("module") or None
+    module_type = None
+    if module is not None:
         mods = dict(rec.model.named_modules())
-        report.module_type = type(mods[report.module]).__name__ if report.module in mods else None
-    report.parameters = [k for k, _ in rec.model.named_parameters() if _module_of(k) == (report.module or "")][:16]
-    report.evidence["state"] = blame
+        module_type = type(mods[module]).__name__ if module in mods else None
+    ev["state"] = blame
     q = blame.get("quantity")
-    report.op = {"lr": "lr", "second_moment": "exp_avg_sq", "grad_norm": "grad_norm"}.get(q or "")
-    report.where = f"the state before step {n}" + (f", module '{report.module}'" if report.module else "")
-    report.cause = (f"the state before step {n} spikes on another batch too: {blame.get('why', 'an update jumped')}")
-    report.fix = {"lr": "fix the schedule (a one-step lr jump), or clip the update",
-                  "second_moment": "raise Adam's eps, lower beta2, or clip this module's gradient",
-                  "grad_norm": "clip gradients (clip_grad_norm_) at the run's usual norm"}.get(
-        q or "", "lower the lr or clip gradients")
+    return Finding(
+        n, kind="spike", cause_class="state", module=module, module_type=module_type, evidence=ev,
+        parameters=[k for k, _ in rec.model.named_parameters() if _module_of(k) == (module or "")][:16],
+        op={"lr": "lr", "second_moment": "exp_avg_sq", "grad_norm": "grad_norm"}.get(q or ""),
+        where=f"the state before step {n}" + (f", module '{module}'" if module else ""),
+        cause=f"the state before step {n} spikes on another batch too: {blame.get('why', 'an update jumped')}",
+        fix={"lr": "fix the schedule (a one-step lr jump), or clip the update",
+             "second_moment": "raise Adam's eps, lower beta2, or clip this module's gradient",
+             "grad_norm": "clip gradients (clip_grad_norm_) at the run's usual norm"}.get(
+            q or "", "lower the lr or clip gradients"))

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from sentineld.contracts.verdict import Report
+from sentineld.contracts.verdict import Finding
 
 from .counterfactual import Change, Engine, Outcome
 from .opguard import GUARDABLE, REWRITABLE, OpGuard, base_name
@@ -59,7 +59,7 @@ def _half(engine: Engine) -> bool:
         p.dtype in (torch.float16, torch.bfloat16) for p in rec.model.parameters())
 
 
-def candidates(report: Report, engine: Engine, grad_norms: list[float] | None = None) -> list[Change]:
+def candidates(report: Finding, engine: Engine, grad_norms: list[float] | None = None) -> list[Change]:
     """The candidate changes for ``report``'s verdict (module docstring)."""
     out: list[Change] = []
     op = base_name(report.op) if report.op not in (None, "lr", "exp_avg_sq", "grad_norm") else None
@@ -121,7 +121,7 @@ def _row(o: Outcome, ref: dict[int, float]) -> dict[str, Any]:
     return row
 
 
-def what_if(engine: Engine, report: Report, start: int, grad_norms: list[float] | None = None,
+def what_if(engine: Engine, report: Finding, start: int, grad_norms: list[float] | None = None,
             spike_bar: float | None = None, spike_step: int | None = None
             ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run every candidate from ``start`` over the captured steps after it.

@@ -88,6 +88,17 @@ def _device_type(model: torch.nn.Module) -> str:
     return "cpu"
 
 
+def _forward(recipe: Recipe, micro_batch: Any, phase: Callable[[str], None]) -> torch.Tensor:
+    """``recipe.loss_fn`` on one micro-batch, under the recipe's autocast (the forward phase of
+    both a normal and a manual step)."""
+    phase("forward")
+    ctx = (torch.autocast(_device_type(recipe.model), dtype=recipe.autocast_dtype)
+           if recipe.autocast_dtype is not None else contextlib.nullcontext())
+    with ctx:
+        loss: torch.Tensor = recipe.loss_fn(recipe.model, micro_batch)
+    return loss
+
+
 def train_step(recipe: Recipe, batch: Any, on_phase: Callable[[str], None] | None = None) -> torch.Tensor:
     """Run one optimizer step of ``recipe`` on ``batch`` and return the (detached) loss.
 
@@ -121,20 +132,12 @@ def train_step(recipe: Recipe, batch: Any, on_phase: Callable[[str], None] | Non
         token = _PHASE.set(phase)
         try:
             for mb in micro:
-                phase("forward")
-                ctx = (torch.autocast(_device_type(model), dtype=recipe.autocast_dtype)
-                       if recipe.autocast_dtype is not None else contextlib.nullcontext())
-                with ctx:
-                    loss = recipe.loss_fn(model, mb)
+                loss = _forward(recipe, mb, phase)
         finally:
             _PHASE.reset(token)
         return loss.detach()  # its schedulers too are stepped by loss_fn, if at all
     for mb in micro:
-        phase("forward")
-        ctx = (torch.autocast(_device_type(model), dtype=recipe.autocast_dtype)
-               if recipe.autocast_dtype is not None else contextlib.nullcontext())
-        with ctx:
-            loss = recipe.loss_fn(model, mb)
+        loss = _forward(recipe, mb, phase)
         phase("backward")
         scaled = loss / len(micro) if len(micro) > 1 and recipe.scale_accumulated else loss
         if scaler is not None:

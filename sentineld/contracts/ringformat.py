@@ -6,7 +6,7 @@ Layout, one directory per training process (``<run_dir>/ring-rank<R>-<pid>/``)::
 
     lock                  flock'ed by the writing process for its whole life (the kernel drops
                           it when the process dies, however it dies)
-    meta.json             run_id, rank, pid, host, torch_version, window
+    meta.json             :class:`RingMeta`: run_id, rank, pid, host, torch_version, window
     snap-<S>.ring         snapshot S (the state before step S)
     step-<n>.ring         step n: batch, RNG state, and its record when known
 
@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import stat
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +47,74 @@ from sentineld.contracts.capture_data import tensor_to_numpy
 from sentineld.contracts.safeio import SafeDir, json_depth_ok, open_regular
 from sentineld.contracts.treecodec import encode
 
-__all__ = ["SNAP_FILE", "STEP_FILE", "MAGIC", "Packer", "write_ring_file",
+__all__ = ["SNAP_FILE", "STEP_FILE", "MAGIC", "LOCK_FILE", "META_FILE", "MAX_RING_META_BYTES", "RingMeta",
+           "read_ring_meta", "Packer", "write_ring_file",
            "read_ring_file", "close_mapping", "ring_array", "ring_tree", "ring_rng", "ring_state", "snap_file",
            "step_file"]
 
 SNAP_FILE = re.compile(r"^snap-(\d+)\.ring$")
 STEP_FILE = re.compile(r"^step-(\d+)\.ring$")
 MAGIC = b"SNTLRING1\n"
+#: The file its writer keeps flock'ed for its whole life.
+LOCK_FILE = "lock"
+#: The ring's :class:`RingMeta`.
+META_FILE = "meta.json"
+#: Largest ``meta.json`` read (the agent writes about 150 bytes; a run id is at most a few hundred).
+MAX_RING_META_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class RingMeta:
+    """``meta.json``: which process writes the ring (written once, before the ring is visible).
+
+    A field is None when a file read back lacks it or holds another type (a ring a crash cut
+    short, or one another sentineld release wrote): the reader falls back to what the ring's
+    directory name and the run dir say.
+    """
+
+    rank: int | None = None
+    pid: int | None = None
+    #: ``socket.gethostname()`` of the writer: only the daemon on that host can see its lock.
+    host: str | None = None
+    #: most steps the ring keeps on disk
+    window: int | None = None
+    run_id: str | None = None
+    torch_version: str | None = None
+
+    def to_json(self) -> str:
+        """The file's text (a JSON object; None fields omitted)."""
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None})
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> RingMeta:
+        """Parse ``meta.json``'s text; a field of the wrong type reads as None.
+
+        Raises:
+            ValueError: not JSON, nested deeper than a meta file can be, or not an object.
+        """
+        if not json_depth_ok(data):
+            raise ValueError(f"{META_FILE} nests too deeply; not a file sentineld wrote")
+        obj = json.loads(data)
+        if not isinstance(obj, dict):
+            raise ValueError(f"{META_FILE} is not a JSON object")
+        def num(name: str) -> int | None:
+            v = obj.get(name)
+            return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+        def text(name: str) -> str | None:
+            v = obj.get(name)
+            return v if isinstance(v, str) else None
+        return cls(rank=num("rank"), pid=num("pid"), host=text("host"), window=num("window"),
+                   run_id=text("run_id"), torch_version=text("torch_version"))
+
+
+def read_ring_meta(ring: SafeDir) -> RingMeta:
+    """The ring's ``meta.json`` (every field None when absent, not a regular file, too big or not
+    an object), through the safe reader: a FIFO or a link there never blocks or redirects us."""
+    try:
+        return RingMeta.from_json(ring.read(META_FILE, MAX_RING_META_BYTES))
+    except (OSError, ValueError):
+        return RingMeta()
 
 
 def snap_file(step: int) -> str:
@@ -177,7 +239,7 @@ def ring_state(ring_dir: Path) -> str:
     """``alive`` (its writer holds the lock), ``dead`` (lock free: the writer is gone) or
     ``unknown`` (no lock file: not a ring, or one still being created)."""
     try:  # read-only, no link, never blocking: flock needs no write access, a FIFO is no lock
-        fd = os.open(ring_dir / "lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(ring_dir / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return "unknown"
     if not stat.S_ISREG(os.fstat(fd).st_mode):

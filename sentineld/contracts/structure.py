@@ -25,7 +25,7 @@ import math
 import sys
 import types
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -141,12 +141,15 @@ def decode_value(v: Any, load: Callable[[dict[str, Any]], Any]) -> Any:
     raise StructureError(f"unknown recorded value {sorted(v)[:3]}")
 
 
-def _attrs(obj: Any, skip: frozenset[str]) -> tuple[dict[str, Any], list[str]]:
+def _attrs(obj: Any, skip: frozenset[str],
+           special: Mapping[str, Callable[[Any], tuple[bool, Any]]] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """``obj``'s plain attributes encoded (``special[name]`` encodes that one), and the names of
+    those that cannot be (``opaque``), in ``vars(obj)`` order."""
     attrs, opaque = {}, []
     for k, v in list(vars(obj).items()):
         if k in skip:
             continue
-        ok, enc = encode_value(v)
+        ok, enc = special[k](v) if special and k in special else encode_value(v)
         if ok:
             attrs[k] = enc
         else:
@@ -215,21 +218,16 @@ def optimizer_tree(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> d
             "defaults": defaults if ok else {"__dict__": {}}}
 
 
+def _lr_lambdas(v: Any) -> tuple[bool, Any]:
+    if isinstance(v, list):
+        return True, {"__functions__": [function_ref(f) for f in v]}
+    return encode_value(v)
+
+
 def scheduler_tree(scheduler: Any) -> dict[str, Any]:
     """An LR scheduler's class and plain attributes (its ``optimizer`` is the rebuilt one; its
     ``lr_lambdas`` recorded as functions)."""
-    attrs, opaque = {}, []
-    for k, v in list(vars(scheduler).items()):
-        if k == "optimizer":
-            continue
-        if k == "lr_lambdas" and isinstance(v, list):
-            attrs[k] = {"__functions__": [function_ref(f) for f in v]}
-            continue
-        ok, enc = encode_value(v)
-        if ok:
-            attrs[k] = enc
-        else:
-            opaque.append(f"{k} ({type(v).__name__})")
+    attrs, opaque = _attrs(scheduler, frozenset({"optimizer"}), {"lr_lambdas": _lr_lambdas})
     return {"cls": object_ref(type(scheduler)), "attrs": attrs, "opaque": opaque}
 
 

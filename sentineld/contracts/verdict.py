@@ -47,7 +47,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 __all__ = ["REPORT_SCHEMA_VERSION", "CAUSE_CLASSES", "VERDICT_KINDS", "REPRODUCIBILITY_CLASSES",
-           "OUTSIDE_MODEL", "PHASES", "Finding", "Replayed", "Report", "make_report", "verdict_outcome",
+           "OUTSIDE_MODEL", "PHASES", "Finding", "Replayed", "WhatIf", "CompiledCheck", "Report", "make_report",
+           "verdict_outcome",
            "report_problems", "is_verdict", "render_text", "notification_text"]
 
 #: A verdict's ``phase``: where in the step the first non-finite value was made (``none``: nowhere).
@@ -110,8 +111,9 @@ REPRODUCIBILITY_CLASSES: dict[str, str] = {
 @dataclass(frozen=True)
 class Finding:
     """What localizing one step found: the phase that went wrong, where and why, with the
-    evidence. Each localizer (``replay.localize``, ``replay.forward_only``) returns one; the
-    verdict is made from it once, by :func:`make_report`. Fields as in :class:`Report`."""
+    evidence. Each localizer (``replay.localize``, ``replay.forward_only``, ``replay.spike``)
+    returns one; the verdict is made from it once, by :func:`make_report`. Fields as in
+    :class:`Report` (a spike's finding: ``kind`` spike, ``phase`` none, ``samples``)."""
 
     step: int
     phase: str = "none"
@@ -125,6 +127,8 @@ class Finding:
     cause: str = ""
     fix: str = ""
     evidence: dict[str, Any] = field(default_factory=dict)
+    kind: str = "nonfinite"
+    samples: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -149,9 +153,34 @@ class Replayed:
     evidence: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(frozen=True)
+class WhatIf:
+    """What ``--what-if`` added to a verdict (``replay/cf_replay.py``): the candidate fixes'
+    ``rows`` (the verdict's ``what_if``), their ``summary`` (``evidence.what_if``) and the
+    ``reproducibility`` class."""
+
+    rows: list[dict[str, Any]]
+    summary: dict[str, Any]
+    reproducibility: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CompiledCheck:
+    """What the eager replay of a ``torch.compile``'d run showed (``replay/compiled.py``): the
+    verdict's ``eager_reproduced`` and ``evidence.compiled``. ``tolerance`` (set when the rebuilt
+    losses are within it of the compiled run's, the replay having no bitwise match): the verdict
+    is ``reproduced`` under it, its ``loss_tolerance``, with ``max_loss_deviation`` the worst one."""
+
+    eager_reproduced: bool
+    evidence: dict[str, Any]
+    tolerance: float | None = None
+    max_loss_deviation: float = 0.0
+
+
+@dataclass(frozen=True)
 class Report:
-    """Where the first non-finite value of a run was made, with the evidence."""
+    """Where the first non-finite value of a run was made, with the evidence. Made once, by
+    :func:`make_report`, and never changed after (frozen)."""
 
     run_id: str
     rank: int
@@ -195,24 +224,38 @@ class Report:
 
 
 def make_report(r: Replayed, run_id: str, *, evidence: Mapping[str, Any] | None = None,
-                elapsed_s: float | None = None) -> Report:
+                elapsed_s: float | None = None, what_if: WhatIf | None = None,
+                compiled: CompiledCheck | None = None) -> Report:
     """The verdict of run ``run_id`` from what its replay found: the one place a :class:`Report`
-    is made.
+    is made (never changed after).
 
     Args:
         r: the replay's result.
         evidence: entries the caller adds (a partial DDP replay, the training process's own run).
         elapsed_s: the whole time the caller took, seconds (default the replay's own).
+        what_if: the candidate fixes and reproducibility class (``--what-if``).
+        compiled: for a ``torch.compile``'d run, what its eager replay showed.
     """
     f = r.found
+    reproduced, tolerance, deviation = r.reproduced, r.loss_tolerance, r.max_loss_deviation
+    ev = {**f.evidence, **r.evidence, **(evidence or {})}
+    if what_if is not None:
+        ev["what_if"] = what_if.summary
+    if compiled is not None:
+        ev["compiled"] = compiled.evidence
+        if compiled.tolerance is not None:
+            reproduced, tolerance, deviation = True, compiled.tolerance, compiled.max_loss_deviation
     return Report(run_id=run_id, rank=r.rank, step=f.step, requested_step=r.requested_step, phase=f.phase,
                   module=f.module, where=f.where, module_type=f.module_type, op=f.op, autograd_node=f.autograd_node,
-                  parameters=list(f.parameters), reproduced=r.reproduced, max_loss_deviation=r.max_loss_deviation,
+                  parameters=list(f.parameters), reproduced=reproduced, max_loss_deviation=deviation,
                   steps_rebuilt=r.steps_rebuilt, recorded_nonfinite=r.recorded_nonfinite, cause_class=f.cause_class,
-                  cause=f.cause, fix=f.fix, evidence={**f.evidence, **r.evidence, **(evidence or {})},
-                  capture=r.capture, elapsed_s=r.elapsed_s if elapsed_s is None else elapsed_s,
-                  rebuild_s=r.rebuild_s, localize_s=r.localize_s, ranks=list(r.ranks),
-                  loss_tolerance=r.loss_tolerance)
+                  cause=f.cause, fix=f.fix, evidence=ev, capture=r.capture,
+                  elapsed_s=r.elapsed_s if elapsed_s is None else elapsed_s,
+                  rebuild_s=r.rebuild_s, localize_s=r.localize_s, ranks=list(r.ranks), loss_tolerance=tolerance,
+                  kind=f.kind, samples=list(f.samples), what_if=list(what_if.rows) if what_if else [],
+                  reproducibility=what_if.reproducibility if what_if else None,
+                  compiled=compiled is not None,
+                  eager_reproduced=compiled.eager_reproduced if compiled is not None else None)
 
 
 def verdict_outcome(report: Mapping[str, Any]) -> str:

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from sentineld.contracts.ringformat import ring_state
+from sentineld.contracts.ringformat import MAX_RING_META_BYTES, META_FILE, RingMeta, ring_state
 from sentineld.contracts.rundir import RunDir, RunMeta
-from sentineld.contracts.safeio import read_json
+from sentineld.contracts.safeio import read_regular
 from sentineld.contracts.triggers import REPLICA_DIVERGENCE
 from sentineld.daemon.am_incident import no_recipe_outcome, verdict_may_come
 from sentineld.daemon.daemon_config import DaemonConfig
@@ -35,7 +35,7 @@ from sentineld.daemon.notifier import Notifier
 from sentineld.daemon.outbox import notification_id
 from sentineld.daemon.replay_queue import FairQueue
 from sentineld.daemon.replay_runner import ReplayOutcome, run_replay_subprocess
-from sentineld.daemon.ring_recovery import MAX_RING_META_BYTES, recover_ring
+from sentineld.daemon.ring_recovery import recover_ring
 from sentineld.daemon.runwatch import RunWatch
 from sentineld.daemon.statedir import write_json_atomic
 from sentineld.daemon.watcher import DirtyRuns
@@ -228,8 +228,8 @@ class RecoverThread(LoopThread):
                 continue
             try:
                 # the safe reader: a FIFO named meta.json must not block the main loop
-                host = read_json(d / "meta.json", MAX_RING_META_BYTES).get("host")
-            except (OSError, ValueError, AttributeError):
+                host = RingMeta.from_json(read_regular(d / META_FILE, MAX_RING_META_BYTES)).host
+            except (OSError, ValueError):
                 host = None
             self.retry_at[key] = float("inf")
             if host and host != socket.gethostname():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import logging
 import os
 import shutil
@@ -20,10 +19,13 @@ from typing import Any, Iterator
 
 from sentineld.contracts.capture import EncodedStep, write_capture
 from sentineld.contracts.ringformat import (
+    LOCK_FILE,
     SNAP_FILE,
     STEP_FILE,
+    RingMeta,
     close_mapping,
     read_ring_file,
+    read_ring_meta,
     ring_rng,
     ring_state,
     ring_tree,
@@ -31,11 +33,11 @@ from sentineld.contracts.ringformat import (
     step_file,
 )
 from sentineld.contracts.rundir import RunDir, stream_path
-from sentineld.contracts.safeio import SafeDir, UnsafeDirError, json_depth_ok
+from sentineld.contracts.safeio import SafeDir, UnsafeDirError
 from sentineld.contracts.stream import read_stream
 from sentineld.contracts.triggers import CRASH
 
-__all__ = ["ring_state", "recover_ring", "recover_run", "read_ring_meta"]
+__all__ = ["ring_state", "recover_ring", "recover_run"]
 
 log = logging.getLogger("sentineld.diskring")
 
@@ -56,21 +58,6 @@ def _records_from_stream(run: SafeDir, rank: int, lo: int, hi: int) -> dict[int,
     except OSError:
         pass
     return out
-
-
-#: Largest ring ``meta.json`` read (the agent writes a few hundred bytes).
-MAX_RING_META_BYTES = 64 << 10
-
-
-def read_ring_meta(ring: SafeDir) -> dict[str, Any]:
-    """The ring's ``meta.json`` object ({} when absent, not a regular file, too big or not JSON);
-    read through the safe reader, so a FIFO or a link there never blocks or redirects us."""
-    try:
-        data = ring.read("meta.json", MAX_RING_META_BYTES)
-        meta = json.loads(data) if json_depth_ok(data) else {}
-    except (OSError, ValueError):
-        return {}
-    return meta if isinstance(meta, dict) else {}
 
 
 def _open_ring(ring_dir: Path) -> tuple[SafeDir, SafeDir] | None:
@@ -117,7 +104,7 @@ def recover_ring(ring_dir: Path, who: str = "sentineld") -> Path | None:
     run, ring = opened
     with run, ring:
         try:
-            fd = os.open("lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=ring.fd)
+            fd = os.open(LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=ring.fd)
         except OSError:
             return None
         try:
@@ -135,10 +122,7 @@ def recover_ring(ring_dir: Path, who: str = "sentineld") -> Path | None:
 def _recover_locked(run: SafeDir, ring: SafeDir, ring_dir: Path, who: str) -> Path | None:
     m = RunDir.RING.match(ring_dir.name)
     meta = read_ring_meta(ring)
-    try:
-        rank = int(meta.get("rank", m.group(1) if m else 0))  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        rank = int(m.group(1)) if m else 0
+    rank = meta.rank if meta.rank is not None else int(m.group(1)) if m else 0
     snaps, steps, sizes = set(), set(), {}
     for name in ring.names():
         try:
@@ -182,7 +166,7 @@ def _remove_ring(run: SafeDir, name: str) -> None:
     shutil.rmtree(name, ignore_errors=True, dir_fd=run.fd)
 
 
-def _assemble(run: SafeDir, ring: SafeDir, path: Path, meta: dict[str, Any], rank: int, first: int,
+def _assemble(run: SafeDir, ring: SafeDir, path: Path, meta: RingMeta, rank: int, first: int,
               last: int, who: str, sizes: dict[str, int]) -> None:
     """Write snapshot ``first`` and steps ``first..last`` of the ring as a capture, through the one
     capture writer (:func:`sentineld.contracts.capture.write_capture`) into the open run dir; one
@@ -214,11 +198,11 @@ def _assemble(run: SafeDir, ring: SafeDir, path: Path, meta: dict[str, Any], ran
     header, body, mm = read_ring_file(sources[0], ring)
     try:
         write_capture(
-            path, run_id=str(meta.get("run_id", path.parent.name)), rank=rank, trigger=CRASH,
+            path, run_id=meta.run_id if meta.run_id is not None else path.parent.name, rank=rank, trigger=CRASH,
             first_step=last, snapshot_step=first, snapshot=ring_tree(header["snapshot"], body),
             steps=steps(), records=records, estimate_bytes=estimate,
-            torch_version=str(meta.get("torch_version", "")), at=run,
-            message=(f"process {meta.get('pid', '?')} died without closing the agent (SIGKILL, "
+            torch_version=meta.torch_version or "", at=run,
+            message=(f"process {'?' if meta.pid is None else meta.pid} died without closing the agent (SIGKILL, "
                      f"the OOM killer?); assembled from its on-disk ring by {who}"))
     finally:
         del body

@@ -28,7 +28,7 @@ from typing import Any
 
 from sentineld.contracts.rundir import RunMeta, parse_capture_name
 from sentineld.contracts.safeio import SafeDir, json_depth_ok
-from sentineld.contracts.verdict import REPORT_SCHEMA_VERSION, report_problems
+from sentineld.contracts.verdict import PHASES, REPORT_SCHEMA_VERSION, report_problems
 from sentineld.contracts.verdict_file import verdict_path
 
 __all__ = ["MAX_VERDICT_BYTES", "verdict_problem", "read_verdict_file", "IgnoredVerdicts"]
@@ -37,9 +37,6 @@ log = logging.getLogger("sentineld.daemon")
 
 #: Largest verdict file read (a report is a few KiB; births and evidence stay well under this).
 MAX_VERDICT_BYTES = 8 << 20
-
-_PHASES = ("data", "forward", "backward", "optimizer", "none")
-
 
 def verdict_problem(payload: Any, *, owners: tuple[int, int, int], meta: RunMeta, capture: str) -> str | None:
     """Why a verdict may not be delivered, or None when it may (pure: no I/O).
@@ -69,7 +66,7 @@ def verdict_problem(payload: Any, *, owners: tuple[int, int, int], meta: RunMeta
     named = payload.get("capture")
     if not isinstance(named, str) or os.path.basename(named) != capture:
         return f"names capture {str(named)[:120]!r}, not {capture}"
-    if payload.get("phase") not in _PHASES or not isinstance(payload.get("step"), int):
+    if payload.get("phase") not in PHASES or not isinstance(payload.get("step"), int):
         return "no phase or step of the verdict schema"
     problems = report_problems(payload)
     return "; ".join(problems) if problems else None

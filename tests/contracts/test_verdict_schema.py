@@ -3,6 +3,7 @@ null module says where; the cause class is one of the known ones; the text forms
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,9 +12,11 @@ from sentineld.contracts.verdict import (
     CAUSE_CLASSES,
     OUTSIDE_MODEL,
     REPORT_SCHEMA_VERSION,
+    CompiledCheck,
     Finding,
     Replayed,
     Report,
+    WhatIf,
     make_report,
     notification_text,
     render_text,
@@ -91,3 +94,30 @@ def test_a_report_is_made_once_from_what_the_replay_found() -> None:
     assert r.evidence == {"replayed_loss": 1.0, "snapshot_step": 2, "in_process": {"mode": "thread"}}
     assert (r.elapsed_s, r.steps_rebuilt, r.capture) == (2.5, 3, "cap.h5")
     assert report_problems(json.loads(r.to_json()), "run7") == []
+
+
+def test_a_spike_finding_with_what_if_and_a_compiled_check_makes_the_whole_verdict() -> None:
+    """Issue 26: the spike path, --what-if and the compiled check return values; the one
+    make_report call writes them into the verdict, which nothing changes after (frozen)."""
+    found = Finding(step=40, kind="spike", cause_class="data", samples=[3, 1], where="input batch of step 40",
+                    evidence={"spike_bar": 2.0})
+    wi = WhatIf(rows=[{"change": "lr x0.1", "finite": True}], summary={"total_s": 0.5},
+                reproducibility={"class": "software", "wall_s": 0.25})
+    compiled = CompiledCheck(eager_reproduced=False, evidence={"replayed": "eager"}, tolerance=1e-4,
+                             max_loss_deviation=3e-5)
+    r = make_report(Replayed(found, requested_step=40, reproduced=False, max_loss_deviation=0.5,
+                             evidence={"snapshot_step": 36}), "run8", what_if=wi, compiled=compiled)
+    assert (r.kind, r.phase, r.samples, r.cause_class) == ("spike", "none", [3, 1], "data")
+    assert r.what_if == wi.rows and r.reproducibility == wi.reproducibility
+    assert r.evidence == {"spike_bar": 2.0, "snapshot_step": 36, "what_if": {"total_s": 0.5},
+                          "compiled": {"replayed": "eager"}}
+    # within the compiled run's tolerance: reproduced under it, with the deviation it found
+    assert (r.compiled, r.eager_reproduced, r.reproduced, r.loss_tolerance, r.max_loss_deviation) == (
+        True, False, True, 1e-4, 3e-5)
+    assert verdict_outcome(json.loads(r.to_json())) == "localized"
+    assert report_problems(json.loads(r.to_json()), "run8") == []
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.phase = "forward"  # type: ignore[misc]
+    eager = make_report(Replayed(found, requested_step=40, reproduced=False, max_loss_deviation=0.5), "run8")
+    assert (eager.compiled, eager.eager_reproduced, eager.reproduced, eager.max_loss_deviation,
+            eager.what_if, eager.reproducibility) == (False, None, False, 0.5, [], None)

@@ -56,7 +56,7 @@ def test_recovered_ring_is_what_the_capture_writer_writes(tmp_path: Path) -> Non
         torch.rand(1)  # each step's RNG state differs
     run_dir = tmp_path / "r1"
     run_dir.mkdir()
-    ring = DiskRingWriter(run_dir, rank=0, window=10, meta={"run_id": "r1", "torch_version": torch.__version__})
+    ring = DiskRingWriter(run_dir, rank=0, window=10, run_id="r1", torch_version=torch.__version__)
     ring.add_snapshot(SimpleNamespace(step=5, state=snapshot, wait=lambda: None))
     for st, rec in zip(steps, records):
         ring.add_step(SimpleNamespace(step=st.step, batch=st.batch, rng=st.rng, record=rec))

@@ -106,7 +106,7 @@ def _dead_ring(run_dir: Path, run_id: str) -> Path:
     model = torch.nn.Linear(3, 2)
     snap = {"model": dict(model.state_dict()), "optimizer": {"state": {}, "param_groups": []},
             "scheduler": None, "scaler": None}
-    ring = DiskRingWriter(run_dir, rank=0, window=8, meta={"run_id": run_id, "torch_version": torch.__version__})
+    ring = DiskRingWriter(run_dir, rank=0, window=8, run_id=run_id, torch_version=torch.__version__)
     ring.add_snapshot(SimpleNamespace(step=5, state=snap, wait=lambda: None))
     for n in (5, 6, 7):
         ring.add_step(SimpleNamespace(step=n, batch=(torch.randn(2, 3),), rng=capture_rng(),

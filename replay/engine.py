@@ -176,8 +176,10 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
         from .ddp import replay_ddp  # noqa: PLC0415
 
         named_by += [p for r, p in sorted(ranks.items()) if r]
-        return _mark_compiled(make_report(replay_ddp(ranks, _factory(meta, spec, trust, named_by), step, env, t0=t0),
-                                          meta.run_id), meta.extra)
+        report = make_report(replay_ddp(ranks, _factory(meta, spec, trust, named_by), step, env, t0=t0), meta.run_id)
+        if "fsdp" in report.evidence:  # the shards were loaded whole here (replay/fsdp.py)
+            report.replayed_as = "consolidated"
+        return _mark_compiled(report, meta.extra)
     if meta.world_size > 1 and _is_spike(cap_path):
         raise ReplayError(f"{cap_path.name}: a loss-spike verdict of a {meta.world_size}-rank run is not "
                           "replayed yet (each rank's step used all ranks' gradients); replay a "

@@ -187,6 +187,9 @@ class Report:
     #: For a compiled run: the eager replay made the run's non-finite value at the same step
     #: (None for an eager run).
     eager_reproduced: bool | None = None
+    #: How a sharded (FSDP2) run was replayed: ``"consolidated"`` (every shard loaded into one
+    #: process) or ``"relaunched at world size N"`` (torchrun, each rank its shard); None otherwise.
+    replayed_as: str | None = None
     schema_version: int = REPORT_SCHEMA_VERSION
 
     def to_json(self) -> str:

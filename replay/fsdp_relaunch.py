@@ -170,6 +170,7 @@ def _load_sharded(rec: Any, cap: Any, snapshot: dict[str, Any]) -> dict[str, Any
     unsharded leaves; return the evidence (checkpoint, tensors, load seconds)."""
     import torch  # noqa: PLC0415
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
 
     from sentineld.contracts.dcpstate import fill_sharded, placeholders  # noqa: PLC0415
 
@@ -183,18 +184,21 @@ def _load_sharded(rec: Any, cap: Any, snapshot: dict[str, Any]) -> dict[str, Any
     params = dict(rec.model.named_parameters())
     order = [p for g in rec.optimizer.param_groups for p in g["params"]]  # state_dict()'s numbering
     dtypes = {k: md.properties.dtype for k, md in
-              dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items() if hasattr(md, "size")}
+              dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+              if isinstance(md, TensorStorageMetadata)}
     templates: dict[str, Any] = {}
     for key in placeholders(snapshot):
         parts = key.split("/")
         if parts[0] == "model" and "/".join(parts[1:]) in params:
             like = params["/".join(parts[1:])]
-        elif parts[:2] == ["optimizer", "state"] and len(parts) == 4 and parts[2].isdigit() and int(parts[2]) < len(order):
+        elif (parts[:2] == ["optimizer", "state"] and len(parts) == 4 and parts[2].isdigit()
+              and int(parts[2]) < len(order)):
             like = order[int(parts[2])]
         else:
             raise ReplayError(f"sharded state {key!r} of {cap.path.name} has no DTensor in the recipe's sharded model; "
                               "the recipe's model or optimizer differs from the run's")
-        templates[key] = torch.empty_like(like.detach(), dtype=dtypes.get(key, like.dtype))  # DTensor: this rank's shard
+        # A DTensor like the parameter: DCP fills this rank's shard only.
+        templates[key] = torch.empty_like(like.detach(), dtype=dtypes.get(key, like.dtype))
     try:
         dcp.load(templates, checkpoint_id=str(path))
     except Exception as exc:  # noqa: BLE001 - DCP on damaged or foreign shard files

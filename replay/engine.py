@@ -217,7 +217,8 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
     def rerun(backend: str | None) -> dict[str, Any]:
         from .compiled import compiled_rerun  # noqa: PLC0415
 
-        return compiled_rerun(cap_path, _factory(meta, spec, trust, named_by), report.step, env, backend)
+        # The incident's step (requested), not the last one auto mode followed to finding nothing.
+        return compiled_rerun(cap_path, run_dir, spec, trust, report.requested_step, backend)
 
     return _mark_compiled(report, meta.extra, rerun)
 

@@ -28,8 +28,8 @@ the model's step on its shard). ``replayed_as`` says ``relaunched at world size 
 
 Limits: N must equal the recorded world size (each rank re-executes its own recorded batch;
 DCP could reshard the state to any N, but the batches of W ranks do not split into N);
-``fully_shard`` is applied to the root module only (the layout of the run's FSDP units does
-not change a parameter's shard or the reduce-scatter's sum, only when all-gathers happen); no
+FSDP units are chosen by size (:func:`units`: the run's own are not recorded; the layout
+changes when parameters are all-gathered, not a parameter's shard or the reduce-scatter's sum); no
 ``MixedPrecisionPolicy`` (a run that used one is replayed in the parameters' dtype, so its
 losses would not reproduce); a scheduler is rebound to the rebuilt optimizer.
 """
@@ -55,7 +55,7 @@ from sentineld.contracts.errors import BadInput
 
 from .errors import ReplayError
 
-__all__ = ["RELAUNCH_TIMEOUT_S", "relaunch", "worker", "combine"]
+__all__ = ["RELAUNCH_TIMEOUT_S", "UNIT_FRACTION", "relaunch", "units", "worker", "combine"]
 
 #: Seconds the whole relaunched replay may take before its ranks are killed (the replay never hangs).
 RELAUNCH_TIMEOUT_S = 3600.0
@@ -143,6 +143,33 @@ def relaunch(run_dir: str | Path, world_size: int, step: int | None = None, *, r
 # --- one rank -------------------------------------------------------------------------------------
 
 
+#: A submodule becomes its own FSDP unit once the parameters it holds outside smaller units reach
+#: this fraction of the model's: the all-gathered (unsharded) parameters at any moment are then
+#: about one unit's, not the whole model's (the reason to relaunch instead of consolidating).
+UNIT_FRACTION = 1 / 256
+
+
+def units(model: Any, fraction: float = UNIT_FRACTION) -> list[str]:
+    """Qualified names of the submodules to ``fully_shard`` before the root, deepest first.
+
+    Post-order over ``named_modules()``: a module whose parameters not yet in a unit number at
+    least ``fraction`` of the model's becomes a unit (the root takes the rest). The run's own
+    units are not recorded; the layout changes when parameters are all-gathered, not a
+    parameter's shard nor the reduce-scatter's elementwise sum.
+    """
+    mods = list(model.named_modules())
+    total = sum(p.numel() for p in model.parameters())
+    free = {name: sum(p.numel() for p in m.parameters(recurse=False)) for name, m in mods}
+    out: list[str] = []
+    for name, _m in reversed(mods):  # reversed pre-order: every descendant before its parent
+        if name and total and free[name] >= fraction * total:
+            out.append(name)
+        elif name:
+            parent = name.rpartition(".")[0]
+            free[parent] += free[name]
+    return out
+
+
 def _shard(rec: Any, world: int) -> tuple[Any, Any]:
     """``(recipe with its model fully_shard-ed over a 1-D mesh, the mesh)``; the optimizer is
     rebuilt over the sharded parameters with the same groups and hyperparameters."""
@@ -155,6 +182,8 @@ def _shard(rec: Any, world: int) -> tuple[Any, Any]:
     name_of = {id(p): n for n, p in model.named_parameters()}
     old = rec.optimizer
     mesh = init_device_mesh(device.type, (world,))
+    for name in units(model):
+        fully_shard(model.get_submodule(name), mesh=mesh)
     fully_shard(model, mesh=mesh)
     params = dict(model.named_parameters())
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[name_of[id(p)]] for p in g["params"]]}

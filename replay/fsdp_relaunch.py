@@ -292,15 +292,16 @@ def worker(run_dir: Path, step: int | None, spec: str | None, trust: bool, captu
     flags = meta.extra.get("torch_flags") if isinstance(meta.extra.get("torch_flags"), dict) else None
     with open_capture(paths[rank]) as cap, torch_globals(meta.num_threads, flags) as in_effect:
         S = cap.snapshot_step
-        snaps = [None] * world
-        dist.all_gather_object(snaps, (S, cap.sharded_state), group=_GLOO[0])
-        if len(set(snaps)) != 1:
-            raise ReplayError(f"the ranks' captures name different snapshots/checkpoints {snaps}; every rank's "
-                              "capture of one incident names the same DCP checkpoint")
+        held: list[Any] = [None] * world
+        dist.all_gather_object(held, (S, cap.sharded_state, int(cap.steps[-1]) if cap.steps else target),
+                               group=_GLOO[0])
+        if len({h[:2] for h in held}) != 1:
+            raise ReplayError(f"the ranks' captures name different snapshots/checkpoints {[h[:2] for h in held]}; "
+                              "every rank's capture of one incident names the same DCP checkpoint")
+        last = min(h[2] for h in held)  # every rank stops auto mode at the same step
         records = {int(r["step"]): r for r in cap.records() if isinstance(r, dict) and "step" in r}
         losses = {s: float(r["loss"]) for s, r in records.items() if isinstance(r.get("loss"), (int, float))}
         snapshot = cap.snapshot()
-        last = int(cap.steps[-1]) if cap.steps else target
 
         def fresh() -> tuple[Any, dict[str, Any]]:
             rec, _mesh = _shard(make(), world)

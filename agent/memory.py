@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .agent_config import AgentConfig
+from .sharded import local
 
 __all__ = ["MemoryBound", "memory_bound", "optimizer_state_estimate"]
 
@@ -55,13 +56,17 @@ def _nbytes(t: torch.Tensor) -> int:
     # so attach never fails on it; the figure then leaves that parameter out.
     if torch.nn.parameter.is_lazy(t):
         return 0
+    # An FSDP2 parameter (and its gradient, Adam's moments) is a DTensor whose numel() is the
+    # global size; the ring copies the local shard only (agent/sharded.py: to_host_sharded),
+    # 1/W of it: count that, or the bound overstates a W-rank job's memory W times.
+    t = local(t)
     return t.numel() * t.element_size()
 
 
 def optimizer_state_estimate(optimizer: torch.optim.Optimizer, param_bytes: int) -> int:
     """Optimizer state bytes now, or before the first step a figure from its class: Adam-family
     keeps two moments per parameter (AdamW, Adamax, NAdam, RAdam too), momentum SGD one, else 0."""
-    have = sum(v.numel() * v.element_size() for st in list(optimizer.state.values())
+    have = sum(_nbytes(v) for st in list(optimizer.state.values())
                for v in list(st.values()) if isinstance(v, torch.Tensor))
     if have:
         return have
@@ -75,7 +80,8 @@ def memory_bound(model: torch.nn.Module, optimizer: torch.optim.Optimizer, confi
     """The bound for ``model`` + ``optimizer`` under ``config``.
 
     Args:
-        model: the (unwrapped) model; a tied tensor counts once.
+        model: the (unwrapped) model; a tied tensor counts once; a DTensor (FSDP2) counts its
+            local shard (what this rank's ring holds).
         optimizer: its optimizer (state estimated from its class before the first step).
         config: ``ring_bytes`` bounds batches (and forward arguments).
         forward_only_localizer: in-process localization keeps forward arguments.

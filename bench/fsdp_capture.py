@@ -2,14 +2,15 @@
 
 Usage (the script starts torchrun itself)::
 
-    python bench/fsdp_capture.py [--world 2] [--widths 128,512,1024] [--out DIR]
+    python bench/fsdp_capture.py [--world 2] [--widths 512,1024,2048] [--out DIR]
 
 For each width d, a 4-layer MLP of ``Linear(d, d)`` (4 (d^2 + d) parameters), every Linear its
 own FSDP unit, Adam, is trained on W gloo ranks with the agent attached; a NaN is planted in
 rank 1's batch at step 6, so every rank writes its capture and its shard of one DCP checkpoint.
 Printed per width: parameters, capture wall time (incident to capture on disk, rank 0's
-writer thread: DCP save + HDF5), DCP bytes, HDF5 bytes per rank, and the consolidated replay's
-time (``sentineld replay``, one process).
+writer thread: DCP save + HDF5), DCP bytes, HDF5 bytes per rank, the consolidated replay's
+wall time (``sentineld replay RUN``, one process) and the relaunched one's (``sentineld replay
+RUN --world-size W``: torchrun, W ranks), with whether both verdicts agree.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def _worker(runs: str, width: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--widths", default="128,512,1024")
+    ap.add_argument("--widths", default="512,1024,2048")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", nargs=2, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -90,7 +91,7 @@ def main() -> None:
         return
     runs = Path(a.out or tempfile.mkdtemp(prefix="fsdp-bench-"))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    print("params  world  capture_s  dcp_bytes  h5_bytes_per_rank  replay_s  replay_rebuild_s")
+    print("params  world  capture_s  dcp_bytes  h5_bytes_per_rank  replay_s  replay_rebuild_s  relaunch_s")
     for width in (int(w) for w in a.widths.split(",")):
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                               str(a.world), __file__, "--worker", str(runs), str(width)],
@@ -102,15 +103,19 @@ def main() -> None:
         dcp = next(run.glob("capture-step*.dcp"))
         dcp_bytes = sum(p.stat().st_size for p in dcp.iterdir())
         h5 = [p.stat().st_size for p in run.glob("capture-rank*.h5")]
-        t0 = time.perf_counter()
-        rep = subprocess.run([sys.executable, "-m", "sentineld", "replay", str(run), "--json"], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=600)
-        replay_s = time.perf_counter() - t0
-        verdict = json.loads(rep.stdout)
+        runs_of = {}
+        for how, extra in (("consolidated", []), ("relaunched", ["--world-size", str(a.world)])):
+            t0 = time.perf_counter()
+            rep = subprocess.run([sys.executable, "-m", "sentineld", "replay", str(run), "--json", *extra], cwd=REPO,
+                                 env=env, capture_output=True, text=True, timeout=600)
+            runs_of[how] = (time.perf_counter() - t0, json.loads(rep.stdout))
+        (replay_s, verdict), (relaunch_s, relaunched) = runs_of["consolidated"], runs_of["relaunched"]
+        same = all(verdict[k] == relaunched[k] for k in ("phase", "module", "op", "step", "ranks", "reproduced"))
         params = 4 * (width * width + width)
         print(f"{params:>8} {a.world:>5} {timing['after_incident_s']:>10.3f} {dcp_bytes:>10} "
-              f"{sum(h5) // len(h5):>18} {replay_s:>9.2f} {verdict['rebuild_s']:>8.2f}  "
-              f"phase={verdict['phase']} reproduced={verdict['reproduced']}")
+              f"{sum(h5) // len(h5):>18} {replay_s:>9.2f} {verdict['rebuild_s']:>8.2f} {relaunch_s:>11.2f}  "
+              f"phase={verdict['phase']} reproduced={verdict['reproduced']} relaunched_same={same} "
+              f"({relaunched['replayed_as']})")
 
 
 if __name__ == "__main__":

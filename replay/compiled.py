@@ -19,13 +19,17 @@ dispatch tracing as for any run. So the verdict says so:
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import signal
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from sentineld.contracts.capture import CaptureError, open_capture
-from sentineld.contracts.recipe import Recipe
 from sentineld.contracts.verdict import CompiledCheck, Replayed
 
 from .rebuild import load_snapshot, rebuild, run_step, state_nonfinite
@@ -100,48 +104,191 @@ def check_compiled(r: Replayed, extra: Mapping[str, Any],
                          max_loss_deviation=worst if accepted else 0.0)
 
 
-def compiled_rerun(cap_path: Path, make: Callable[[], Recipe], step: int, environment: Callable[[], Any],
-                   backend: str | None) -> dict[str, Any]:
-    """Re-run ``step`` of the capture compiled (best effort), for a fault eager did not make.
+#: Wall seconds the compiled re-run under the minifier may take (a cold inductor compile of a
+#: small model took 159 s on the loaded 2-core test machine); then its process group is killed.
+RERUN_TIMEOUT_S = 600.0
+#: The minifier's own settings, as its documentation names them (read by dynamo at import).
+MINIFIER_ENV = {"TORCHDYNAMO_REPRO_AFTER": "aot", "TORCHDYNAMO_REPRO_LEVEL": "4"}
 
-    The state before ``step`` is rebuilt eagerly from the snapshot and the captured batches; then
-    the recipe's model is compiled with the run's backend and the captured step runs with its
-    real batch and RNG state, under dynamo's accuracy minifier (``repro_after="aot"``,
-    ``repro_level=4``: each AOT graph is checked against an fp64 eager run; a graph that fails
-    is written as a repro script) into ``<capture>.minifier/`` next to the capture.
+
+def compiled_rerun(cap_path: Path, run_dir: Path, recipe: str | None, trust: bool, step: int,
+                   backend: str | None, timeout_s: float = RERUN_TIMEOUT_S) -> dict[str, Any]:
+    """Re-run ``step`` of the capture compiled under the accuracy minifier, in a child process.
+
+    The child (``python -I -m sentineld.replay.compiled``, working folder and debug dir
+    ``<capture>.minifier/``, environment :data:`MINIFIER_ENV`) rebuilds the state before ``step``
+    eagerly from the snapshot and the captured batches, compiles the recipe's model with the run's
+    backend and runs the captured step with its real batch and RNG state. With
+    ``TORCHDYNAMO_REPRO_AFTER=aot TORCHDYNAMO_REPRO_LEVEL=4`` (only when the plain compiled re-run
+    is non-finite: the minifier's check fails on any graph with dropout, see :data:`RANDOM_OPS`)
+    dynamo checks each AOT forward graph
+    against an fp64 eager run on those real inputs and, when one fails, writes it as a repro
+    (``repro.py`` in the working folder, ``minifier/checkpoints/<nodes>.py``, and the
+    ``minifier_launcher.py`` that shrinks it). A child: the minifier's settings are process-wide,
+    and a compile that hangs or crashes is killed after ``timeout_s`` without taking the replay.
 
     Returns:
-        ``{"backend", "loss", "nonfinite", "minifier_dir", "repro_files"}``, or with ``"error"``
-        when the re-run itself failed (never raises).
+        ``{"backend", "loss", "nonfinite", "minified", "accuracy_failed", "minifier_dir",
+        "repro_files", "repro", "repro_draws_random", "repro_note"}``: ``repro`` the path of the
+        repro script, or None and
+        ``repro_note`` saying plainly why there is none; ``"error"`` when the re-run itself
+        failed (never raises).
     """
     out: dict[str, Any] = {"backend": backend or "inductor"}
     outdir = cap_path.with_suffix(".minifier")
     try:
-        import torch  # noqa: PLC0415
-        import torch._dynamo.config as dynamo_config  # noqa: PLC0415
+        outdir.mkdir(mode=0o700, exist_ok=True)
+        cmd = [sys.executable, "-I", "-m", "sentineld.replay.compiled", str(cap_path), str(run_dir), str(step),
+               out["backend"], str(outdir)] + (["--recipe", recipe] if recipe else []) + (["--trust"] if trust else [])
+        env = {**os.environ, **MINIFIER_ENV, "TORCH_COMPILE_DEBUG_DIR": str(outdir)}
+        proc = subprocess.Popen(cmd, cwd=outdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            _, err = proc.communicate(timeout=timeout_s)
+            got = outdir / "rerun.json"
+            if got.is_file():
+                out.update(json.loads(got.read_text()))
+            else:
+                out["error"] = f"the compiled re-run exited {proc.returncode}: {(err or '').strip()[-300:]}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            out["error"] = f"the compiled re-run did not finish within {timeout_s:.0f} s (killed)"
+    except OSError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    files = sorted(str(p.relative_to(outdir)) for p in outdir.rglob("*.py")) if outdir.is_dir() else []
+    repro = outdir / "repro.py" if (outdir / "repro.py").is_file() else None
+    random = repro is not None and any(op in repro.read_text(errors="replace") for op in RANDOM_OPS)
+    out.update(minifier_dir=str(outdir), repro_files=files, repro=str(repro) if repro else None,
+               repro_draws_random=random)
+    out["repro_note"] = _repro_note(out, step)
+    return out
 
-        with open_capture(cap_path) as cap, environment():
-            recs = {int(r["step"]): r for r in cap.records() if isinstance(r, dict) and "step" in r}
-            losses = {s: float(r["loss"]) for s, r in recs.items() if isinstance(r.get("loss"), (int, float))}
+
+def _repro_note(out: dict[str, Any], step: int) -> str:
+    """Why the minifier wrote a repro, or plainly why not (the verdict names no missing file)."""
+    if out.get("repro"):
+        note = (f"the compiled re-run of step {step} is non-finite, and the accuracy minifier found an AOT graph "
+                f"whose compiled output differs from its fp64 eager run on the step's real inputs; repro: "
+                f"{out['repro']} (python repro.py re-runs it with those inputs; "
+                "minifier/minifier_launcher.py under torch_compile_debug/ shrinks it)")
+        if out.get("repro_draws_random"):
+            note += (". Caution: the graph draws random numbers (dropout), and the minifier runs eager, fp64 and "
+                     "compiled with different draws, so its check fails on such a graph whatever the compiler "
+                     "does: compare the values, not only the verdict")
+        return note
+    if out["backend"] != "inductor":
+        return (f"no repro: torch's accuracy minifier (TORCHDYNAMO_REPRO_LEVEL=4) checks inductor graphs only "
+                f"(torch: 'Accuracy minification is supported for inductor only'); the run's backend "
+                f"{out['backend']} is not wrapped by it. Re-run step {step} compiled with inductor to check "
+                "that compiler")
+    if "error" in out:
+        return f"no repro: the compiled re-run failed ({out['error']})"
+    if not out.get("nonfinite"):
+        return (f"no repro: the compiled re-run of step {step} from the captured state and batch is finite too, so "
+                "the fault did not come from the compiled graph on those inputs (a transient, or something the "
+                "capture does not hold); the minifier had no failing graph to write")
+    return (f"no repro: the compiled re-run of step {step} is non-finite, but every AOT forward graph matched its "
+            "fp64 eager run (the minifier compares forward graphs only, NaN equal to NaN: a NaN the fp64 run "
+            "makes too is no accuracy failure), so it wrote none")
+
+
+#: Ops in a repro's graph that draw random numbers: the minifier runs the eager, the fp64 and the
+#: compiled graph one after the other without resetting the RNG (``same_two_models``), so such a
+#: graph (dropout in training mode) fails its accuracy check whatever the compiler does.
+RANDOM_OPS = ("inductor_random", "inductor_seeds", "aten.bernoulli", "aten.rand", "native_dropout", "philox")
+
+
+def _no_compile_caches() -> Any:
+    """Inductor's FX graph cache and AOT autograd's cache off (a context manager)."""
+    import contextlib  # noqa: PLC0415
+
+    import torch._functorch.config as functorch_config  # noqa: PLC0415
+    import torch._inductor.config as inductor_config  # noqa: PLC0415
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(inductor_config.patch(fx_graph_cache=False))
+    stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+    return stack
+
+
+def _rerun_child(cap_path: Path, run_dir: Path, step: int, backend: str, outdir: Path, recipe: str | None,
+                 trust: bool) -> dict[str, Any]:
+    """The child's body: the state before ``step`` rebuilt eagerly, then the step compiled twice:
+    plainly (does the compiled graph make a non-finite value from the captured inputs?) and,
+    only when it does, again from a fresh rebuild under the minifier (the environment's
+    ``TORCHDYNAMO_REPRO_*``), so a finite step never gets a spurious repro."""
+    import torch  # noqa: PLC0415
+    import torch._dynamo.config as dynamo_config  # noqa: PLC0415
+
+    from sentineld.contracts.rundir import RunDir, read_run_meta  # noqa: PLC0415
+
+    from .engine import _factory  # noqa: PLC0415
+    from .rebuild import torch_globals  # noqa: PLC0415
+
+    meta = read_run_meta(run_dir)
+    make = _factory(meta, recipe, trust, [p for p in (run_dir / RunDir.RUN_JSON, cap_path) if p.exists()])
+    flags = meta.extra.get("torch_flags") if isinstance(meta.extra.get("torch_flags"), dict) else None
+    res: dict[str, Any] = {"accuracy_failed": False, "minified": False}
+    with open_capture(cap_path) as cap, torch_globals(meta.num_threads, flags):
+        recs = {int(r["step"]): r for r in cap.records() if isinstance(r, dict) and "step" in r}
+        losses = {s: float(r["loss"]) for s, r in recs.items() if isinstance(r.get("loss"), (int, float))}
+
+        def load(s: int) -> tuple[Any, Any]:
+            st = cap.step(s)
+            return st.batch, st.rng
+
+        def compiled_step() -> tuple[float, bool]:
             rec = make()
             load_snapshot(rec, cap.snapshot())
-
-            def load(s: int) -> tuple[Any, Any]:
-                st = cap.step(s)
-                return st.batch, st.rng
-
             rebuild(rec, range(cap.snapshot_step, step), load, losses)
-            batch, rng = load(step)
-            outdir.mkdir(mode=0o700, exist_ok=True)
+            batch, rng = load(step)  # the same recorded RNG state each time: the same dropout draws
             torch._dynamo.reset()
-            with dynamo_config.patch(repro_after="aot", repro_level=4, debug_dir_root=str(outdir)):
-                module: Any = torch.compile(rec.model, backend=out["backend"])  # an OptimizedModule
-                compiled = replace(rec, model=module)
-                loss = run_step(compiled, batch, rng)
-            torch._dynamo.reset()
-        out.update(loss=loss, nonfinite=not math.isfinite(loss) or state_nonfinite(rec))
-    except Exception as exc:  # noqa: BLE001 - best effort: the compiler or the minifier may fail
-        out["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    files = sorted(str(p.relative_to(outdir)) for p in outdir.rglob("*.py")) if outdir.is_dir() else []
-    out.update(minifier_dir=str(outdir), repro_files=files)
-    return out
+            module: Any = torch.compile(rec.model, backend=backend)  # an OptimizedModule
+            loss = run_step(replace(rec, model=module), batch, rng)
+            return loss, not math.isfinite(loss) or state_nonfinite(rec)
+
+        with dynamo_config.patch(repro_after=None):
+            loss, bad = compiled_step()
+        res.update(loss=loss, nonfinite=bad)
+        if bad:
+            res["minified"] = True
+            try:
+                # Caches off: a graph found in inductor's FX graph cache or AOT autograd's cache (the
+                # run compiled it already) skips the compiler, and with it the minifier's wrapper.
+                with _no_compile_caches():
+                    compiled_step()
+            except Exception as exc:  # the minifier's AccuracyError is its finding, not a failure
+                if type(exc).__name__ != "AccuracyError" and "Bad accuracy detected" not in str(exc):
+                    raise
+                res["accuracy_failed"] = True
+    del outdir  # the minifier writes there by its working folder and TORCH_COMPILE_DEBUG_DIR
+    return res
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m sentineld.replay.compiled CAPTURE RUN_DIR STEP BACKEND OUTDIR [--recipe S] [--trust]``."""
+    import argparse  # noqa: PLC0415
+
+    from sentineld.contracts.trust import add_replay_path, check_import_path  # noqa: PLC0415
+
+    ap = argparse.ArgumentParser(prog="python -m sentineld.replay.compiled")
+    for name in ("capture", "run_dir", "step", "backend", "outdir"):
+        ap.add_argument(name)
+    ap.add_argument("--recipe", default=None)
+    ap.add_argument("--trust", action="store_true")
+    a = ap.parse_args(argv)
+    outdir = Path(a.outdir)
+    try:
+        add_replay_path()
+        if not a.trust:
+            check_import_path()
+        res = _rerun_child(Path(a.capture), Path(a.run_dir), int(a.step), a.backend, outdir, a.recipe, a.trust)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which never raises
+        res = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    (outdir / "rerun.json").write_text(json.dumps(res, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -178,7 +178,9 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
 
         named_by += [p for r, p in sorted(ranks.items()) if r]
         replayed = replay_ddp(ranks, _factory(meta, spec, trust, named_by), step, env, t0=t0)
-        return make_report(replayed, meta.run_id, compiled=_compiled(replayed, meta.extra))
+        # A sharded run's shards were loaded whole here (replay/fsdp.py).
+        return make_report(replayed, meta.run_id, compiled=_compiled(replayed, meta.extra),
+                           replayed_as="consolidated" if "fsdp" in replayed.evidence else None)
     if meta.world_size > 1 and _is_spike(cap_path):
         raise ReplayError(f"{cap_path.name}: a loss-spike verdict of a {meta.world_size}-rank run is not "
                           "replayed yet (each rank's step used all ranks' gradients); replay a "
@@ -215,7 +217,8 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
     def rerun(backend: str | None) -> dict[str, Any]:
         from .compiled import compiled_rerun  # noqa: PLC0415
 
-        return compiled_rerun(cap_path, _factory(meta, spec, trust, named_by), replayed.found.step, env, backend)
+        # The incident's step (requested), not the last one auto mode followed to finding nothing.
+        return compiled_rerun(cap_path, run_dir, spec, trust, replayed.requested_step, backend)
 
     return make_report(replayed, meta.run_id, compiled=_compiled(replayed, meta.extra, rerun))
 

@@ -74,9 +74,10 @@ def consolidated_snapshot(cap: Capture, snapshot: dict[str, Any],
         raise ReplayError(f"{path}: the DCP checkpoint cannot be read ({type(exc).__name__}: {exc})") from None
     free = available_bytes() if available is None else available
     if need * HEADROOM > free:
+        world = len(list(path.glob("__*_0.distcp"))) or "N"  # one shard file per rank that wrote it
         raise ReplayError(f"the consolidated state of {name} takes {need / 2**20:.1f} MiB (x{HEADROOM:g} to "
                           f"replay), more than the {free / 2**20:.0f} MiB free here; re-launch the replay at "
-                          "the recorded world size with --world-size N")
+                          f"the recorded world size: sentineld replay {cap.path.parent} --world-size {world}")
     try:
         values = load_consolidated(path)
         whole = fill_sharded(snapshot, values)

@@ -11,6 +11,7 @@ step, untrusted or unbuildable recipe).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -18,7 +19,7 @@ from typing import Any, Callable, Iterator
 
 import click
 
-from sentineld.contracts.errors import EXIT_NOT_REPRODUCED, EXIT_OK, SentineldError
+from sentineld.contracts.errors import EXIT_NOT_REPRODUCED, EXIT_OK, BadInput, SentineldError
 from sentineld.contracts.rundir import default_runs_dir, resolve_run
 from sentineld.contracts.trust import add_replay_path, check_import_path
 
@@ -47,6 +48,10 @@ def replay_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                           "transient). A candidate finite for the checked steps is evidence, not proof."),
         click.option("--repeats", type=click.IntRange(2, 50), default=3, show_default=True,
                      help="Runs of the unchanged step for the reproducibility class (with --what-if)."),
+        click.option("--world-size", "world_size", type=int, default=None,
+                     help="Re-launch an FSDP2 run's replay on N ranks through torchrun, each rank loading "
+                          "its shard of the DCP checkpoint (N: the run's world size). Default: the "
+                          "consolidated replay in one process, when the state fits this host's memory."),
         click.option("--runs-dir", type=click.Path(file_okay=False), default=None,
                      help="Parent of run directories, where a RUN id is looked up (default: "
                           "$SENTINELD_RUNS_DIR, the config's runs_dir, else "
@@ -59,12 +64,14 @@ def replay_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def run_replay(run: str, step: int | None, as_json: bool, recipe: str | None, capture: str | None,
                trust: bool, runs_dir: str | None, rank: int | None = None, what_if: bool = False,
-               repeats: int = 3) -> int:
+               repeats: int = 3, world_size: int | None = None) -> int:
     """Replay RUN (an id under ``runs_dir`` or a directory), print the verdict, return the exit code.
 
     Args:
         runs_dir: parent of run directories for a run id; None: ``$SENTINELD_RUNS_DIR`` or the
             user state dir (:func:`sentineld.contracts.rundir.default_runs_dir`).
+        world_size: re-launch an FSDP2 run's replay on this many ranks (torchrun,
+            :mod:`sentineld.replay.fsdp_relaunch`); None: the replay in this process.
 
     Returns:
         0 when the step reproduced, 1 when it did not; a bad input prints ``sentineld: <why>`` to
@@ -82,6 +89,16 @@ def run_replay(run: str, step: int | None, as_json: bool, recipe: str | None, ca
             with open_capture(capture):  # a damaged capture fails here, before torch is imported
                 pass
         from sentineld.contracts.verdict import render_text  # noqa: PLC0415
+
+        if world_size is not None:
+            if rank is not None or what_if:
+                raise BadInput("--world-size replays every rank together: drop --rank and --what-if "
+                               "(or drop --world-size for the replay in one process)")
+            from sentineld.replay.fsdp_relaunch import relaunch  # noqa: PLC0415
+
+            verdict = relaunch(run_dir, world_size, step, recipe=recipe, trust=trust, capture=capture)
+            click.echo(json.dumps(verdict, indent=2, sort_keys=True) if as_json else render_text(verdict))
+            return EXIT_OK if verdict.get("reproduced") else EXIT_NOT_REPRODUCED
         from sentineld.replay.engine import replay_run  # noqa: PLC0415
 
         with stdout_to_stderr():  # the user's code may print: stdout carries only the verdict
@@ -114,9 +131,10 @@ def stdout_to_stderr() -> Iterator[None]:
 @click.command(name="replay")
 @replay_options
 def command(run: str, step: int | None, as_json: bool, recipe: str | None, capture: str | None,
-            trust: bool, rank: int | None, runs_dir: str | None, what_if: bool = False, repeats: int = 3) -> None:
+            trust: bool, rank: int | None, runs_dir: str | None, what_if: bool = False, repeats: int = 3,
+            world_size: int | None = None) -> None:
     """Rebuild RUN (an id or a directory) before the offending step and name where it broke."""
-    sys.exit(run_replay(run, step, as_json, recipe, capture, trust, runs_dir, rank, what_if, repeats))
+    sys.exit(run_replay(run, step, as_json, recipe, capture, trust, runs_dir, rank, what_if, repeats, world_size))
 
 
 def main() -> None:

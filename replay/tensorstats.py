@@ -33,8 +33,18 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(n)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # A DTensor (an FSDP2 shard, replay/fsdp_relaunch.py) is checked on this rank's shard: a
+    # reduction over the DTensor would be a collective, run only on the ranks whose control flow
+    # reaches it (a hang); the ranks agree on the verdict afterwards.
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None and callable(to_local) else t
+
+
 def is_finite(t: torch.Tensor) -> bool:
-    """Every element of ``t`` is finite (max and min reductions: no temporary the size of ``t``)."""
+    """Every element of ``t`` is finite (max and min reductions: no temporary the size of ``t``).
+    For a DTensor: every element of this rank's local shard."""
+    t = _local(t)
     if t.numel() == 0 or not (t.is_floating_point() or t.is_complex()):
         return True
     if t.is_complex():
@@ -46,6 +56,7 @@ def nonfinite_flags(ts: Iterable[torch.Tensor]) -> tuple[bool, bool]:
     """``(any NaN, any +-Inf)`` over tensors; two reductions per finite tensor."""
     nan = inf = False
     for t in ts:
+        t = _local(t)
         if is_finite(t):
             continue
         nan = nan or bool(torch.isnan(t).any())
@@ -62,7 +73,7 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
     ``posinf``, ``neginf``, ``nonfinite``, ``zeros``, ``min``, ``max``, ``finite_max_abs`` (the
     last three None when nothing is finite).
     """
-    t = t.detach()
+    t = _local(t.detach())
     stats: dict[str, Any] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
     if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
         return stats

@@ -291,7 +291,8 @@ def recover(run: str, runs_dir: str | None) -> None:
 @cli.command()
 @replay_options
 def replay(run: str, step: int | None, as_json: bool, recipe: str | None, capture: str | None,
-           trust: bool, rank: int | None, runs_dir: str | None, what_if: bool = False, repeats: int = 3) -> None:
+           trust: bool, rank: int | None, runs_dir: str | None, what_if: bool = False, repeats: int = 3,
+           world_size: int | None = None) -> None:
     """Rebuild RUN (an id or a directory) before the offending step and name where it broke."""
     try:
         cfg = load_config()
@@ -300,7 +301,7 @@ def replay(run: str, step: int | None, as_json: bool, recipe: str | None, captur
     if runs_dir is None and cfg is not None:  # a run id is looked up where the daemon's config puts runs
         runs_dir = str(cfg.runs_dir)
     _limit_memory(cfg.replay_memory_bytes if cfg is not None else 16 << 30)
-    sys.exit(run_replay(run, step, as_json, recipe, capture, trust, runs_dir, rank, what_if, repeats))
+    sys.exit(run_replay(run, step, as_json, recipe, capture, trust, runs_dir, rank, what_if, repeats, world_size))
 
 
 def _limit_memory(limit_bytes: int) -> None:

@@ -216,6 +216,9 @@ class Report:
     #: For a compiled run: the eager replay made the run's non-finite value at the same step
     #: (None for an eager run).
     eager_reproduced: bool | None = None
+    #: How a sharded (FSDP2) run was replayed: ``"consolidated"`` (every shard loaded into one
+    #: process) or ``"relaunched at world size N"`` (torchrun, each rank its shard); None otherwise.
+    replayed_as: str | None = None
     schema_version: int = REPORT_SCHEMA_VERSION
 
     def to_json(self) -> str:
@@ -225,7 +228,7 @@ class Report:
 
 def make_report(r: Replayed, run_id: str, *, evidence: Mapping[str, Any] | None = None,
                 elapsed_s: float | None = None, what_if: WhatIf | None = None,
-                compiled: CompiledCheck | None = None) -> Report:
+                compiled: CompiledCheck | None = None, replayed_as: str | None = None) -> Report:
     """The verdict of run ``run_id`` from what its replay found: the one place a :class:`Report`
     is made (never changed after).
 
@@ -235,6 +238,7 @@ def make_report(r: Replayed, run_id: str, *, evidence: Mapping[str, Any] | None 
         elapsed_s: the whole time the caller took, seconds (default the replay's own).
         what_if: the candidate fixes and reproducibility class (``--what-if``).
         compiled: for a ``torch.compile``'d run, what its eager replay showed.
+        replayed_as: for a sharded (FSDP2) run, how it was replayed (:attr:`Report.replayed_as`).
     """
     f = r.found
     reproduced, tolerance, deviation = r.reproduced, r.loss_tolerance, r.max_loss_deviation
@@ -255,7 +259,8 @@ def make_report(r: Replayed, run_id: str, *, evidence: Mapping[str, Any] | None 
                   kind=f.kind, samples=list(f.samples), what_if=list(what_if.rows) if what_if else [],
                   reproducibility=what_if.reproducibility if what_if else None,
                   compiled=compiled is not None,
-                  eager_reproduced=compiled.eager_reproduced if compiled is not None else None)
+                  eager_reproduced=compiled.eager_reproduced if compiled is not None else None,
+                  replayed_as=replayed_as)
 
 
 def verdict_outcome(report: Mapping[str, Any]) -> str:

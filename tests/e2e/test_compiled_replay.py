@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,61 @@ def test_fault_eager_does_not_make_is_said(compiled_runs: tuple[Path, dict[str, 
     assert "error" not in rerun, rerun
     assert rerun["backend"] == BACKEND and rerun["nonfinite"] is False and rerun["repro_files"] == []
     assert Path(rerun["minifier_dir"]).parent == runs / "c-transient"
+    # The verdict names no missing file: no repro, and a plain reason why.
+    assert rerun["repro"] is None and rerun["repro_note"].startswith("no repro: ")
+    assert ("inductor only" if BACKEND != "inductor" else "finite too") in rerun["repro_note"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(BACKEND != "inductor" or shutil.which("cc") is None,
+                    reason="the accuracy minifier checks inductor graphs only; a cold inductor compile takes "
+                           "minutes here (SENTINELD_TEST_COMPILE_BACKEND=inductor runs it)")
+def test_minifier_writes_a_repro_of_a_compiled_only_nan(tmp_path: Path) -> None:
+    """A forward NaN only the compiled graph makes (inductor's own relu-bug testing knob:
+    tests/e2e/compiled_bug_model.py): the eager replay is finite, the compiled re-run of the
+    captured step is NaN, and the minifier (TORCHDYNAMO_REPRO_AFTER=aot, TORCHDYNAMO_REPRO_LEVEL=4)
+    writes its repro next to the capture, loading the captured step's real tensors."""
+    import torch._inductor.config as inductor_config
+
+    from tests.e2e.compiled_bug_model import loss_fn as bug_loss
+    from tests.e2e.compiled_bug_model import make_recipe as bug_recipe
+
+    try:
+        _bugged_run(tmp_path, bug_recipe, bug_loss)
+    finally:  # the knob is process-wide: no later compile in this session may inherit the bug
+        inductor_config.cpp.inject_relu_bug_TESTING_ONLY = None
+        torch._dynamo.reset()
+    _check_bug_report(replay_run(tmp_path / "bug"))  # its compiled re-run is a child importing the recipe
+
+
+def _bugged_run(tmp_path: Path, bug_recipe: Any, bug_loss: Any) -> None:
+    torch._dynamo.reset()
+    rec = bug_recipe()
+    model = torch.compile(rec.model, backend="inductor")
+    watch = attach(model, rec.optimizer, run_id="bug", runs_dir=tmp_path, metrics_port=0, snapshot_every=2,
+                   recipe="tests.e2e.compiled_bug_model:make_recipe")
+    for step in range(3):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        rec.optimizer.zero_grad()
+        loss = bug_loss(model, (x,))
+        loss.backward()
+        rec.optimizer.step()
+        watch.step(loss, batch=(x,))
+    watch.close()
+
+
+def _check_bug_report(report: Any) -> None:
+    assert report.compiled is True and report.eager_reproduced is False and report.phase == "none"
+    rerun = report.evidence["compiled"]["compiled_rerun"]
+    assert "error" not in rerun, rerun
+    assert rerun["nonfinite"] is True and rerun["minified"] is True and rerun["accuracy_failed"] is True
+    cap = Path(report.capture)
+    repro = Path(rerun["repro"])
+    assert repro == cap.with_suffix(".minifier") / "repro.py" and repro.is_file()
+    text = repro.read_text()
+    assert "def load_args(reader)" in text and "reader.storage(" in text  # real inputs, not random ones
+    assert rerun["repro_draws_random"] is False and str(repro) in rerun["repro_note"]
+    assert any(f.endswith("minifier_launcher.py") for f in rerun["repro_files"])
 
 
 def test_eager_run_verdict_says_not_compiled(tmp_path: Path) -> None:

@@ -69,7 +69,8 @@ def test_consolidated_snapshot_and_its_memory_check(tmp_path: Path) -> None:
         whole, ev = consolidated_snapshot(cap, cap.snapshot())
         assert torch.equal(whole["model"]["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
         assert ev["state"] == "consolidated" and ev["consolidated_bytes"] == 48
-        with pytest.raises(ReplayError, match="--world-size N"):
+        # One rank wrote it (one __0_0.distcp): the message names the size to pass.
+        with pytest.raises(ReplayError, match=r"sentineld replay .* --world-size 1$"):
             consolidated_snapshot(cap, cap.snapshot(), available=100)
 
 

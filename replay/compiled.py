@@ -223,11 +223,11 @@ def _rerun_child(cap_path: Path, run_dir: Path, step: int, backend: str, outdir:
 
     from sentineld.contracts.rundir import RunDir, read_run_meta  # noqa: PLC0415
 
-    from .engine import _factory  # noqa: PLC0415
     from .rebuild import torch_globals  # noqa: PLC0415
+    from .run_recipe import recipe_factory  # noqa: PLC0415
 
     meta = read_run_meta(run_dir)
-    make = _factory(meta, recipe, trust, [p for p in (run_dir / RunDir.RUN_JSON, cap_path) if p.exists()])
+    make = recipe_factory(meta, recipe, trust, [p for p in (run_dir / RunDir.RUN_JSON, cap_path) if p.exists()])
     flags = meta.extra.get("torch_flags") if isinstance(meta.extra.get("torch_flags"), dict) else None
     res: dict[str, Any] = {"accuracy_failed": False, "minified": False}
     with open_capture(cap_path) as cap, torch_globals(meta.num_threads, flags):

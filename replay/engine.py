@@ -24,14 +24,15 @@ from typing import Any, Callable
 
 from sentineld.contracts.capture import CaptureError, first_rank_capture, open_capture
 from sentineld.contracts.recipe import Recipe
-from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, parse_capture_name, read_run_meta
+from sentineld.contracts.rundir import RunDir, RunDirError, list_captures, parse_capture_name, read_run_meta
 from sentineld.contracts.triggers import NONFINITE, SPIKE
 from sentineld.contracts.verdict import CompiledCheck, Replayed, Report, make_report
 
 from .errors import ReplayError
 from .localize import localize
 from .rebuild import RebuildError, Rebuilt, load_snapshot, rebuild, torch_globals
-from .trust import RecipeError, UntrustedError, load_recipe_factory
+from .run_recipe import recipe_factory
+from .trust import RecipeError, UntrustedError
 
 __all__ = ["ReplayError", "replay_run", "replay_capture", "find_capture"]
 
@@ -72,37 +73,6 @@ def find_capture(run_dir: Path, step: int | None, rank: int | None = None) -> Pa
             spans.append(f"{steps[0]}..{steps[-1]} ({path.name})")
     raise ReplayError(f"step {step} is in no capture of {run_dir.name}; captured steps: "
                       f"{', '.join(spans) or 'none readable'}")
-
-
-def _factory(meta: RunMeta, recipe_spec: str | None, trust: bool, named_by: list[Path]) -> Callable[[], Recipe]:
-    """Import the recipe function (after the ownership checks) bound to the run's arguments: the
-    ``--recipe`` given, run.json's recipe, or the live objects a ``loss_fn`` run recorded
-    (:mod:`replay.live_recipe`)."""
-    from .live_recipe import recipe_of  # noqa: PLC0415
-
-    found = (recipe_spec, dict(meta.recipe_args)) if recipe_spec else recipe_of(meta)
-    if found is None:
-        raise ReplayError(f"run {meta.run_id} recorded no recipe; pass --recipe module:function "
-                          "(a function returning sentineld.recipe.Recipe)")
-    spec, args = found
-    fn = load_recipe_factory(spec, meta.cwd, trust=trust, named_by=named_by)
-    return lambda: _build(fn, spec, args)
-
-
-def _build(factory: Callable[..., Any], spec: str, args: dict[str, Any]) -> Recipe:
-    try:
-        recipe = factory(**args)
-    except UntrustedError:
-        raise  # a module the recipe imports is not safely ours: say so, not "the recipe raised"
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code, sys.exit() included
-        if spec.startswith("sentineld.replay.live_recipe:"):
-            raise ReplayError(f"the run's recorded model, optimizer and loss_fn (attach(loss_fn=)) cannot be "
-                              f"rebuilt: {exc}") from None
-        raise ReplayError(f"recipe {spec} raised while building the model: "
-                          f"{type(exc).__name__}: {exc}") from None
-    if not isinstance(recipe, Recipe):
-        raise ReplayError(f"recipe {spec} returned {type(recipe).__name__}, not sentineld.recipe.Recipe")
-    return recipe
 
 
 def replay_run(run_dir: str | Path, step: int | None = None, *, recipe: str | None = None,
@@ -177,7 +147,7 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
         from .ddp import replay_ddp  # noqa: PLC0415
 
         named_by += [p for r, p in sorted(ranks.items()) if r]
-        replayed = replay_ddp(ranks, _factory(meta, spec, trust, named_by), step, env, t0=t0)
+        replayed = replay_ddp(ranks, recipe_factory(meta, spec, trust, named_by), step, env, t0=t0)
         # A sharded run's shards were loaded whole here (replay/fsdp.py).
         return make_report(replayed, meta.run_id, compiled=_compiled(replayed, meta.extra),
                            replayed_as="consolidated" if "fsdp" in replayed.evidence else None)
@@ -189,17 +159,18 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
         from .cf_replay import run_compiled, spike_replay, what_if_of  # noqa: PLC0415
 
         if _is_spike(cap_path):  # a spike verdict says nothing of the compiler but its reproducibility
-            spiked, extras = spike_replay(cap_path, _factory(meta, spec, trust, named_by), step, env, what=what_if,
-                                          compiled=run_compiled(meta), repeats=repeats, t0=t0)
+            make = recipe_factory(meta, spec, trust, named_by)
+            spiked, extras = spike_replay(cap_path, make, step, env, what=what_if, compiled=run_compiled(meta),
+                                          repeats=repeats, t0=t0)
             return make_report(spiked, meta.run_id, what_if=extras)
-        replayed = replay_capture(cap_path, lambda: _factory(meta, spec, trust, named_by), step, env, t0=t0)
-        wi = what_if_of(replayed, cap_path, _factory(meta, spec, trust, named_by), env,
+        replayed = replay_capture(cap_path, lambda: recipe_factory(meta, spec, trust, named_by), step, env, t0=t0)
+        wi = what_if_of(replayed, cap_path, recipe_factory(meta, spec, trust, named_by), env,
                         compiled=run_compiled(meta), repeats=repeats)
         elapsed = round(replayed.elapsed_s + wi.summary["total_s"] + wi.reproducibility.get("wall_s", 0.0), 4)
         return make_report(replayed, meta.run_id, what_if=wi, elapsed_s=elapsed,
                            compiled=_compiled(replayed, meta.extra))
     try:
-        replayed = replay_capture(cap_path, lambda: _factory(meta, spec, trust, named_by), step, env, t0=t0)
+        replayed = replay_capture(cap_path, lambda: recipe_factory(meta, spec, trust, named_by), step, env, t0=t0)
     except ReplayError as exc:
         from sentineld.contracts.verdict_file import verdict_path  # noqa: PLC0415
 

@@ -278,9 +278,10 @@ def worker(run_dir: Path, step: int | None, spec: str | None, trust: bool, captu
 
     from .ddp import missing_ranks_error, rank_captures  # noqa: PLC0415
     from .ddp_step import loss_tolerance  # noqa: PLC0415
-    from .engine import _compiled, _factory  # noqa: PLC0415
+    from .engine import _compiled  # noqa: PLC0415
     from .localize import localize  # noqa: PLC0415
     from .rebuild import run_step, same_loss, state_nonfinite, torch_globals  # noqa: PLC0415
+    from .run_recipe import recipe_factory  # noqa: PLC0415
 
     t0 = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -289,7 +290,7 @@ def worker(run_dir: Path, step: int | None, spec: str | None, trust: bool, captu
     if missing:
         raise missing_ranks_error(run_dir, meta.world_size, target, paths, missing)
     named_by = [p for p in (run_dir / RunDir.RUN_JSON, *paths.values()) if p.exists()]
-    make = _factory(meta, spec, trust, named_by)
+    make = recipe_factory(meta, spec, trust, named_by)
     flags = meta.extra.get("torch_flags") if isinstance(meta.extra.get("torch_flags"), dict) else None
     with open_capture(paths[rank]) as cap, torch_globals(meta.num_threads, flags) as in_effect:
         S = cap.snapshot_step

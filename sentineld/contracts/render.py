@@ -163,6 +163,8 @@ def _evidence_lines(r: Mapping[str, Any]) -> list[str]:
                    f"{ddp.get('ranks_used')}"
                    + (f", missing {ddp.get('missing_ranks')} (partial)" if ddp.get("partial") else "")
                    + (f", loss tolerance {_fmt(tol)}" if tol else ""))
+    if r.get("replayed_as"):  # a sharded (FSDP2) run: consolidated into one process or relaunched
+        out.append(f"sharded run replayed {r['replayed_as']}")
     forward_only = ev.get("mode") == "forward_only"
     if r.get("phase") == "none":
         out.append(f"recorded run non-finite here: {r.get('recorded_nonfinite')}")

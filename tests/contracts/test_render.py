@@ -70,3 +70,11 @@ def test_a_verdict_without_a_module_name_says_where_once() -> None:
     assert module_lines(**_place("fc2", "Linear")) == ["module: fc2 (Linear)"]
     root = Report(run_id="r", rank=0, step=3, requested_step=3, phase="forward", op="aten.log", **_place("", "Net"))
     assert render_text(root).splitlines()[0].endswith("went non-finite in forward, in the model's own forward (Net)")
+
+
+def test_a_sharded_verdict_says_how_it_was_replayed() -> None:
+    # The verdict's replayed_as (FSDP2: consolidated or relaunched) was in the JSON only.
+    r = Report(run_id="f", rank=1, step=3, requested_step=3, phase="forward", module="fc1", module_type="Linear",
+               reproduced=True, ranks=[1], replayed_as="relaunched at world size 2")
+    assert "sharded run replayed relaunched at world size 2" in render_text(r).splitlines()
+    assert "sharded run" not in render_text(Report(run_id="d", rank=0, step=3, requested_step=3, phase="forward"))

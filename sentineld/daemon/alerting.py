@@ -89,8 +89,9 @@ class Alerting:
             if not rk.records:
                 continue
             now_s = None if (rk.ended is not None or not live) else now
+            new, rk.unjudged = rk.unjudged, 0  # every record read is judged once (issue 21)
             per_rank[rank] = evaluate(list(rk.records), sig_config, now_s=now_s,
-                                      num_classes=rw.meta.num_classes if rw.meta else None)
+                                      num_classes=rw.meta.num_classes if rw.meta else None, new=new)
         if not per_rank:
             return
         holding = unresolved(rw.active, {r: list(rk.records) for r, rk in rw.ranks.items() if rk.records},  # issue 21

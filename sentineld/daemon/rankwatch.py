@@ -85,6 +85,9 @@ class RankWatch:
     _starts: deque[int] = field(init=False)
     # lines read from the file and not handed out yet: (object or None for a damaged line, end offset)
     _buf: deque[tuple[dict[str, Any] | None, int]] = field(default_factory=deque)
+    #: step records handed out as new since the signatures last judged this rank (issue 21:
+    #: :meth:`sentineld.daemon.alerting.Alerting.evaluate` passes it on and resets it)
+    unjudged: int = 0
     _consumed: int = 0  # just past the last line handed out
     _quiet_until: int = -1  # lines ending at or before this were evaluated by the last daemon
     _last_bad: bool = False
@@ -142,6 +145,7 @@ class RankWatch:
                 self.last_step = rec.step
                 if fresh:
                     new.append(rec)
+                    self.unjudged += 1
                     bad, was_bad = is_nonfinite(rec), self._last_bad
                     self._last_bad = bad
                     if bad and not was_bad and max_records is not None:

@@ -7,6 +7,8 @@ compare medians (of a few steps, or of chunks of steps) rather than single value
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left, insort
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -17,7 +19,6 @@ from .base import (
     chance_loss,
     finite_losses,
     make_verdict,
-    median,
     positive_ints,
     robust_sigma,
     tail,
@@ -116,40 +117,87 @@ class DivergenceGrowthConfig:
 
 
 def detect_divergence_spike(records: Sequence[StepRecord], config: DivergenceSpikeConfig,
-                            num_classes: int | None = None) -> list[Verdict]:
+                            num_classes: int | None = None, new: int = 0) -> list[Verdict]:
     """Report a loss that jumped far above its recent median and stayed there.
+
+    The test of one end record: the last ``confirm_steps`` finite losses of the
+    ``confirm_steps + baseline_steps`` records ending there, against the finite losses before
+    them in those records. It is run for every one of the last ``max(new, 1)`` records as the end
+    (issue 21: an episode that began and ended inside one read of a fast run, or of a backlog,
+    was never the last three records at an evaluation), and the first end that fires is reported.
 
     Args:
         records: step records, oldest first.
         config: thresholds.
         num_classes: classes of a classification loss, or None.
+        new: records at the end of ``records`` the caller has not evaluated yet (the daemon: read
+            since its last evaluation of the rank); 0 tests the last record only.
 
     Returns:
         One critical verdict at the first confirming step, or nothing.
+
+    Cost: the baseline is a sorted list slid along the ends (bisect in, bisect out) and the MAD is
+    computed only for an end whose confirming losses clear ``ratio`` x the median and the floor
+    (the bar is never below that), so a healthy stretch costs a few list operations per record.
     """
     if not config.enabled:
         return []
-    need = config.confirm_steps + config.min_baseline_steps
-    # finite losses of the tail only: the detector runs on every record, keep it O(baseline)
-    pts = finite_losses(tail(records, config.confirm_steps + config.baseline_steps))
-    if len(pts) < need:
-        return []
-    recent = pts[-config.confirm_steps:]
-    base = [v for _, v in pts[:-config.confirm_steps]]
-    m = median(base)
-    sigma = robust_sigma(base, m)
+    c, span = config.confirm_steps, config.confirm_steps + config.baseline_steps
+    ends = max(int(new), 1)
+    recs = tail(records, ends + span - 1)
+    # finite losses with the index of their record in ``recs``: the window of the end record e
+    # is the records (e - span, e], i.e. the points [lo, hi) with a record index in that range;
+    # of those, [hi - c, hi) confirm and [lo, hi - c) are the baseline, kept sorted in ``base``
+    pts = _indexed_finite(recs)
+    idx = [p[0] for p in pts]
+    vals = [p[1][1] for p in pts]
     ref = chance_loss(num_classes)
     floor = config.min_level * ref if ref is not None else config.min_loss
-    bar = max(m + max(config.k * sigma, (config.ratio - 1.0) * abs(m)), floor)
-    low = min(v for _, v in recent)
-    if not low > bar:
-        return []
-    step = recent[0][0]
-    msg = (f"loss jumped to {low:.4g}+ for {config.confirm_steps} steps from step {step} "
-           f"(median of the {len(base)} steps before: {m:.4g}; bar {bar:.4g})")
-    return [make_verdict("divergence_spike", step, msg,
-                         {"loss": recent[-1][1], "min_recent_loss": low, "baseline_median": m,
-                          "baseline_sigma": sigma, "threshold": bar}, DIVERGENCE_FIX)]
+    need, rm1, npts = c + config.min_baseline_steps, config.ratio - 1.0, len(pts)
+    base: list[float] = []
+    lo = hi = 0
+    for e in range(max(0, len(recs) - ends), len(recs)):
+        while hi < npts and idx[hi] <= e:
+            hi += 1
+            if hi - c - 1 >= lo:  # the point leaving the confirming tail joins the baseline
+                insort(base, vals[hi - c - 1])
+        while lo < hi and idx[lo] <= e - span:
+            if lo < hi - c:
+                del base[bisect_left(base, vals[lo])]
+            lo += 1
+        if hi - lo < need:
+            continue
+        low = min(vals[hi - c:hi])
+        if not low > floor:
+            continue
+        n = len(base)
+        m = base[n // 2] if n % 2 else 0.5 * (base[n // 2 - 1] + base[n // 2])
+        if not low > m + rm1 * abs(m):
+            continue  # under a lower bound of the bar: no need for the MAD
+        sigma = robust_sigma(base, m)
+        bar = max(m + max(config.k * sigma, rm1 * abs(m)), floor)
+        if not low > bar:
+            continue
+        step = pts[hi - c][1][0]
+        msg = (f"loss jumped to {low:.4g}+ for {c} steps from step {step} "
+               f"(median of the {n} steps before: {m:.4g}; bar {bar:.4g})")
+        return [make_verdict("divergence_spike", step, msg,
+                             {"loss": vals[hi - 1], "min_recent_loss": low, "baseline_median": m,
+                              "baseline_sigma": sigma, "threshold": bar}, DIVERGENCE_FIX)]
+    return []
+
+
+def _indexed_finite(records: Sequence[StepRecord]) -> list[tuple[int, tuple[int, float]]]:
+    """``(index in records, (step, loss))`` of the records whose loss is finite."""
+    out = []
+    for idx, r in enumerate(records):
+        loss, step = getattr(r, "loss", None), getattr(r, "step", None)
+        if type(loss) is float and type(step) is int:  # the fast path of well-formed records
+            if math.isfinite(loss):
+                out.append((idx, (step, loss)))
+        else:
+            out.extend((idx, p) for p in finite_losses([r]))
+    return out
 
 
 def detect_divergence_growth(records: Sequence[StepRecord], config: DivergenceGrowthConfig,

@@ -1,8 +1,11 @@
 """Run every detector over one window of step records.
 
-The daemon calls :func:`evaluate` on each new record of a run with a bounded window (e.g. the last
-200 records); the agent may call it too. Each detector looks only at the tail it needs, so a call
-costs well under a millisecond per run (bench/signature_latency.py prints the figure).
+The daemon calls :func:`evaluate` after each read of a rank's stream with a bounded window (e.g.
+the last 200 records) and ``new``, the records read since it last evaluated that rank; the agent
+may call it too. The detectors that judge single records (``loss_spike``, ``divergence_spike``)
+judge every new one, so nothing between two reads goes untested. Each detector looks only at the
+tail it needs, so a call costs well under a millisecond per run (bench/signature_latency.py prints
+the figure).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ __all__ = ["evaluate"]
 
 def evaluate(records: Sequence[StepRecord] | Iterable[StepRecord],
              config: SignatureConfig | None = None, *, now_s: float | None = None,
-             num_classes: int | None = None) -> list[Verdict]:
+             num_classes: int | None = None, new: int = 0) -> list[Verdict]:
     """Run every enabled detector over a window of step records.
 
     Args:
@@ -48,6 +51,9 @@ def evaluate(records: Sequence[StepRecord] | Iterable[StepRecord],
         num_classes: classes of a classification loss (the ln C rule of ``initial_loss`` and the
             reference level of ``plateau``/``oscillation``); None when unknown or not a
             classifier.
+        new: records at the end of ``records`` not evaluated before (0: only the newest, as
+            each detector's own tail); ``loss_spike`` and ``divergence_spike`` judge each of
+            them against the records before it.
 
     Returns:
         Verdicts of every firing detector, critical first, in detector order. Never raises: a
@@ -63,9 +69,9 @@ def evaluate(records: Sequence[StepRecord] | Iterable[StepRecord],
         lambda: detect_nonfinite(records, cfg.nonfinite),
         lambda: detect_replica_divergence(records, cfg.replica_divergence),
         lambda: detect_loss_scale_collapse(records, cfg.loss_scale_collapse),
-        lambda: detect_divergence_spike(records, cfg.divergence_spike, num_classes),
+        lambda: detect_divergence_spike(records, cfg.divergence_spike, num_classes, new),
         lambda: detect_divergence_growth(records, cfg.divergence_growth, num_classes),
-        lambda: detect_loss_spike(records, cfg.loss_spike),
+        lambda: detect_loss_spike(records, cfg.loss_spike, new),
         lambda: detect_exploding_gradients(records, cfg.exploding_gradients, num_classes),
         lambda: detect_gradients_not_applied(records, cfg.gradients_not_applied,
                                                      num_classes),

@@ -28,7 +28,7 @@ What is measured on a sampled step, per module from ``named_modules()``:
 
 - Activations wherever they are computed (``nn.ReLU`` modules, ``F.relu`` / ``torch.relu`` /
   ``F.gelu`` / ``torch.tanh`` ... inside a ``forward``), attributed to the innermost module
-  that made the call (``sentineld.agent.actprobe``): ``dead_fraction`` for the ReLU family
+  that made the call (``sentineld.agent.acthooks``, ``sentineld.agent.actmode``): ``dead_fraction`` for the ReLU family
   (units never active over the batch: never > 0 for ReLU, input always in the flat negative
   region for GELU/SiLU/...), ``saturated_fraction`` for tanh/sigmoid (DeepDiagnosis's measure),
   and ``activation``, the call they were measured on. With several calls in one module, the
@@ -62,7 +62,7 @@ from torch import nn
 
 from sentineld.contracts.records import LayerStats
 
-from .actprobe import ActivationProbe
+from .acthooks import ActivationProbe
 from .sharded import local
 
 __all__ = ["ProbeHandle", "attach_probes", "sampled_at", "full_at", "DENSE_STEPS"]

@@ -46,7 +46,8 @@ def grad_norm(optimizer: torch.optim.Optimizer, per_param: GradNorms | None = No
             if g is not None and not g.is_sparse:
                 key = (g.device, g.dtype)
                 by_device.setdefault(key, []).append(g)
-                owners.setdefault(key, []).append(p if plain else None)
+                if per_param is not None:   # (a full layer sample only: nothing added to other steps)
+                    owners.setdefault(key, []).append(p if plain else None)
     if not by_device:
         return None
     norms: list[torch.Tensor] = []

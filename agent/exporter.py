@@ -60,7 +60,8 @@ def merge_layers(shown: dict[str, Any], sample: dict[str, Any]) -> dict[str, Any
             out[name] = new
             continue
         kept = {f.name: getattr(old, f.name) for f in fields(new) if getattr(new, f.name) is None}
-        out[name] = replace(new, **kept) if kept else new
+        inst: Any = new  # (is_dataclass narrows to instance | class; replace takes an instance)
+        out[name] = replace(inst, **kept) if kept else new
     return out
 
 

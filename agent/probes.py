@@ -28,7 +28,7 @@ What is measured on a sampled step, per module from ``named_modules()``:
 
 - Activations wherever they are computed (``nn.ReLU`` modules, ``F.relu`` / ``torch.relu`` /
   ``F.gelu`` / ``torch.tanh`` ... inside a ``forward``), attributed to the innermost module
-  that made the call (``sentineld.agent.actprobe``): ``dead_fraction`` for the ReLU family
+  that made the call (``sentineld.agent.acthooks``, ``sentineld.agent.actmode``): ``dead_fraction`` for the ReLU family
   (units never active over the batch: never > 0 for ReLU, input always in the flat negative
   region for GELU/SiLU/...), ``saturated_fraction`` for tanh/sigmoid (DeepDiagnosis's measure),
   and ``activation``, the call they were measured on. With several calls in one module, the
@@ -62,7 +62,8 @@ from torch import nn
 
 from sentineld.contracts.records import LayerStats
 
-from .actprobe import ActivationProbe
+from .acthooks import ActivationProbe
+from .readback import GradNorms
 from .sharded import local
 
 __all__ = ["ProbeHandle", "attach_probes", "sampled_at", "full_at", "DENSE_STEPS"]
@@ -267,6 +268,15 @@ class ProbeHandle:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
+    def grad_norms(self) -> GradNorms | None:
+        """On a full sample, the dict the agent's global grad norm fills with its per-parameter
+        norms (:func:`~.readback.grad_norm`, taken in the optimizer's step pre-hook before this
+        handle's): the probes reuse those of the gradients still unchanged. None on other steps."""
+        if not self._full:
+            return None
+        self._shared.clear()
+        return self._shared
+
     # ------------------------------------------------------------------- hooks
 
     def _on_pre_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -277,7 +287,18 @@ class ProbeHandle:
                       if id(p) in self._tracked and id(p) not in self._before]
             with torch.no_grad():
                 grads = [(p, p.grad) for p in params if p.grad is not None]
-                for (p, g), n in zip(grads, _norms([g for _, g in grads])):
+                shared, need = self._shared, []
+                for p, g in grads:
+                    # the global grad norm's own per-parameter value, when it was taken of this
+                    # very gradient, unchanged since (same tensor, same version): the same
+                    # float32 norm, without a second pass over the gradient
+                    hit = shared.get(id(p)) if g is not None and not g.is_inference() else None
+                    if hit is not None and hit[0] is g and hit[1] == g._version:
+                        self._gnorm[id(p)] = hit[2]
+                        self._gsrc[id(p)] = g
+                    else:
+                        need.append((p, g))
+                for (p, g), n in zip(need, _norms([g for _, g in need])):
                     self._gnorm[id(p)] = n
                     self._gsrc[id(p)] = g          # kept until collect: an inf norm is re-taken
                 for p, n in zip(params, _norms([p.detach() for p in params])):
@@ -320,6 +341,7 @@ class ProbeHandle:
         self._before: dict[int, torch.Tensor] = {}
         self._delta: dict[int, torch.Tensor] = {}
         self._gsrc: dict[int, torch.Tensor] = {}
+        self._shared: GradNorms = {}   # filled by the global grad norm (grad_norms)
         self._stepped = False
         self._full = False
 

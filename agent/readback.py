@@ -21,25 +21,45 @@ from .sharded import is_dtensor
 __all__ = ["grad_norm", "Readback"]
 
 
-def grad_norm(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+#: Per-parameter gradient norms one :func:`grad_norm` call took: ``id(param) -> (the gradient
+#: tensor, its version counter then, its L2 norm as a 0-dim device tensor)``.
+GradNorms = dict[int, tuple[torch.Tensor, int, torch.Tensor]]
+
+
+def grad_norm(optimizer: torch.optim.Optimizer, per_param: GradNorms | None = None) -> torch.Tensor | None:
     """Global L2 norm of the optimizer's dense gradients, on device (fused ``_foreach_norm``,
     one kernel per device and dtype; float16/bfloat16 accumulate in float32: a float16 norm
-    overflows at 65504 long before any element does). None when no parameter has a gradient."""
+    overflows at 65504 long before any element does). None when no parameter has a gradient.
+
+    ``per_param``: filled with each plain (not FSDP2) dense gradient's own norm, the per-tensor
+    values the global one is made of (float32; the layer probes of a full sample reuse them
+    instead of a second pass over every gradient, ``agent/probes.py``)."""
     by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    owners: dict[tuple[torch.device, torch.dtype], list[torch.Tensor | None]] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             g = p.grad
+            plain = True
             if g is not None and type(g) is not torch.Tensor and is_dtensor(g):
                 g = g.to_local()  # FSDP2: this rank's shard; no collective (agent/sharded.py)
+                plain = False
             if g is not None and not g.is_sparse:
-                by_device.setdefault((g.device, g.dtype), []).append(g)
+                key = (g.device, g.dtype)
+                by_device.setdefault(key, []).append(g)
+                if per_param is not None:   # (a full layer sample only: nothing added to other steps)
+                    owners.setdefault(key, []).append(p if plain else None)
     if not by_device:
         return None
     norms: list[torch.Tensor] = []
-    for grads in by_device.values():
+    for key, grads in by_device.items():
         low = grads[0].dtype in (torch.float16, torch.bfloat16)
-        norms.extend(n.float() for n in (torch._foreach_norm(grads, 2, dtype=torch.float32) if low
-                                         else torch._foreach_norm(grads)))
+        ns = [n.float() for n in (torch._foreach_norm(grads, 2, dtype=torch.float32) if low
+                                  else torch._foreach_norm(grads))]
+        norms.extend(ns)
+        if per_param is not None:
+            for p, g, n in zip(owners[key], grads, ns):
+                if p is not None and not g.is_inference():   # (an inference tensor has no version)
+                    per_param[id(p)] = (g, g._version, n)
     dev = norms[0].device
     return torch.linalg.vector_norm(torch.stack([n.to(dev, non_blocking=True) for n in norms]))
 

@@ -176,8 +176,13 @@ class StepRecorder:
             return
         if norm is not None:
             self._gnorm = norm.detach().float().reshape(())
+        elif self._bw_norm is not None:
+            self._gnorm = self._bw_norm
         else:
-            self._gnorm = self._bw_norm if self._bw_norm is not None else grad_norm(self.optimizer)
+            # On a full layer sample the probes' step pre-hook (after this one) reuses the
+            # per-parameter norms instead of taking them again (agent/probes.py).
+            probes = self.probes
+            self._gnorm = grad_norm(self.optimizer, probes.grad_norms() if probes is not None else None)
         self._pre_hook_ran = True
         self._clip_max = clip_max
 

@@ -1,4 +1,4 @@
-"""Cost of the activation probe (sentineld.agent.actprobe via sentineld.agent.probes), split into
+"""Cost of the activation probe (sentineld.agent.acthooks and .actmode via sentineld.agent.probes), split into
 unsampled and sampled steps, in CPU time of this thread (robust to other processes on the
 machine, unlike wall time): bare loop vs probes on a step that is not sampled vs a sampled one,
 for an MLP with ``nn.ReLU`` modules and the same MLP calling ``F.relu`` in its ``forward``.

@@ -7,7 +7,8 @@ top costs of the agent: samples whose stack passes through ``sentineld`` code, g
 outermost sentineld frame below the training loop (the hook or call that the loop paid for) and
 by the innermost sentineld frame (where inside the agent the time went).
 
-Run: ``python bench/agent_profile.py [--steps 600] [--rate 250] [--out /tmp/mlp.folded]``
+Run: ``python bench/agent_profile.py [--steps 600] [--rate 250] [--out /tmp/mlp.folded]
+[--model mlp|cnn|transformer]``
 (needs ``pip install py-spy``; with ``--child`` it is the profiled training process itself;
 ``--gil`` samples only the thread holding the GIL; ``--disk-ring`` profiles ``disk_ring=True``).
 """
@@ -24,20 +25,32 @@ import tempfile
 import time
 
 
-def child(steps: int, start_after: int, agent: bool, disk_ring: bool = False) -> None:
+def child(steps: int, start_after: int, agent: bool, disk_ring: bool = False, model_name: str = "mlp") -> None:
     import torch
     import torch.nn.functional as F
     from torch import nn
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    layers: list[nn.Module] = [nn.Linear(64, 512), nn.ReLU()]
-    for _ in range(3):
-        layers += [nn.Linear(512, 512), nn.ReLU()]
-    model = nn.Sequential(*layers, nn.Linear(512, 10))
-    opt = torch.optim.Adam(model.parameters(), 1e-3)
     g = torch.Generator().manual_seed(1234)
-    data = [(torch.randn(128, 64, generator=g), torch.randint(0, 10, (128,), generator=g)) for _ in range(8)]
+    if model_name == "mlp":
+        layers: list[nn.Module] = [nn.Linear(64, 512), nn.ReLU()]
+        for _ in range(3):
+            layers += [nn.Linear(512, 512), nn.ReLU()]
+        model: nn.Module = nn.Sequential(*layers, nn.Linear(512, 10))
+        data = [(torch.randn(128, 64, generator=g), torch.randint(0, 10, (128,), generator=g)) for _ in range(8)]
+    else:  # bench/overhead.py's CNN or transformer, same data as there
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import overhead  # noqa: PLC0415
+
+        model, make = {"cnn": overhead.cnn, "transformer": overhead.transformer}[model_name]()
+        data = [make(g) for _ in range(8)]
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = model(x)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
     watch = None
     if agent:
         from sentineld.agent import attach
@@ -49,7 +62,7 @@ def child(steps: int, start_after: int, agent: bool, disk_ring: bool = False) ->
             print(f"MARK {time.perf_counter() - t0:.3f}", flush=True)
         x, y = data[i % 8]
         opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
+        loss = loss_of(x, y)
         loss.backward()
         opt.step()
         if watch is not None:
@@ -138,15 +151,18 @@ def main() -> None:
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--disk-ring", action="store_true", help="the agent with disk_ring=True")
     ap.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL")
+    ap.add_argument("--model", choices=("mlp", "cnn", "transformer"), default="mlp",
+                    help="the issue's MLP, or bench/overhead.py's CNN or transformer")
     args = ap.parse_args()
     if args.child:
-        child(args.steps, 0, not args.bare, args.disk_ring)
+        child(args.steps, 0, not args.bare, args.disk_ring, args.model)
         return
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     out = args.out or tempfile.mktemp(suffix=".folded")
     cmd = [spy, "record", "--threads", *(["--gil"] if args.gil else []), "-r", str(args.rate), "-f", "raw",
            "-o", out, "--", sys.executable, __file__, "--child", "--steps", str(args.steps),
-           *(["--bare"] if args.bare else []), *(["--disk-ring"] if args.disk_ring else [])]
+           *(["--bare"] if args.bare else []), *(["--disk-ring"] if args.disk_ring else []),
+           "--model", args.model]
     subprocess.run(cmd, check=True)
     summarize(out, args.top)
 

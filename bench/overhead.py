@@ -13,7 +13,15 @@ spread), which resolves a 2% difference once there are ~30 blocks.
 
 Models: an MLP whose step takes a few ms here, a small CNN with batch norm, a small transformer.
 Run: ``python bench/overhead.py [--blocks 30] [--block 20] [--models mlp,cnn,transformer]
-[--variants bare,gradnorm,sentineld,disk_ring,anomaly]``.
+[--variants bare,gradnorm,sentineld,disk_ring,anomaly] [--clock wall|cpu] [--extras]``.
+
+Every figure of issue 23 in one command, each beside its target: ``python bench/overhead.py
+--extras`` (first steps and steady state of the three models, the disk ring at steady state;
+with ``--extras`` also the capture write, bench/capture_write.py, and the replay of the
+10M-parameter case from the command line, bench/replay_time.py ``--cli``). ``--clock cpu`` times
+the training thread's CPU time instead of wall time (``time.thread_time``): immune to the other
+processes of a loaded machine, blind to what the agent's own threads take from the training
+thread (the disk ring's writer); the issue's figures are wall time, on a quiet machine.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ import contextlib
 import copy
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -121,6 +131,8 @@ TARGETS: dict[tuple[str, str], dict[str, float]] = {
 FIRST_STEPS = {"mlp": 200, "cnn": 40, "transformer": 12}
 FIRST_WARMUP = {"mlp": 5, "cnn": 3, "transformer": 2}
 WATCHED = ("sentineld", "disk_ring", "no_probes")
+#: The step clock (``--clock``): wall time, or the training thread's CPU time.
+CLOCK: Callable[[], float] = time.perf_counter
 
 
 class Variant:
@@ -146,8 +158,9 @@ class Variant:
         """Wall seconds of each step over ``batches``."""
         model, opt, watch = self.model, self.opt, self.watch
         times = []
+        clock = CLOCK
         for x, y in batches:
-            t0 = time.perf_counter()
+            t0 = clock()
             opt.zero_grad()
             with torch.autograd.detect_anomaly(check_nan=True) if self.anomaly else contextlib.nullcontext():
                 loss = loss_of(model, x, y)
@@ -157,7 +170,7 @@ class Variant:
             opt.step()
             if watch is not None:
                 watch.step(loss, batch=(x, y))
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
         return times
 
     def close(self) -> None:
@@ -252,14 +265,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads; 1 by default: on this shared 2-core VM a second intra-op "
                          "thread that gets descheduled stalls every op (our measurement)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall: perf_counter (the issue's figures); cpu: the training thread's CPU time")
+    ap.add_argument("--extras", action="store_true",
+                    help="also the capture write (bench/capture_write.py) and the replay of the 10M case "
+                         "from the command line (bench/replay_time.py --cli), each beside its target")
     args = ap.parse_args()
+    global CLOCK
+    CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
+    t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     builders = {"mlp": mlp, "cnn": cnn, "transformer": transformer}
     labels = [v for v in args.variants.split(",") if v and v != "bare"]
     load = os.getloadavg()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
-          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; ratio to the bare loop of the same round: median = "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {args.clock} clock; ratio to the bare loop of the "
+          "same round: median = "
           "median over rounds of median-step ratios, mean = total step time / bare total step time "
           "[p10, p90 of per-round mean ratios]")
     for phase in args.phases.split(","):
@@ -274,6 +296,27 @@ def main() -> None:
                   flush=True)
             for lab in labels:
                 print(f"  {lab:10s} {_cell(phase, lab, name, r['figures'][lab])}", flush=True)
+    if args.extras:
+        extras()
+    load = os.getloadavg()
+    print(f"\ndone in {time.perf_counter() - t_start:.0f} s; load average now "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
+def extras() -> None:
+    """The issue's other two figures, each bench in its own process (what they print, with
+    their targets): capture write vs torch.save + fsync at 96 and 384 MiB (target <= 1.2x), and
+    ``sentineld replay`` of the 10M-parameter case, interpreter start included (target <= 5 s)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for what, cmd in (("capture write (target <= 1.20x torch.save + fsync)",
+                       [os.path.join(here, "capture_write.py"), "--mib", "96,384", "--repeat", "3"]),
+                      ("replay of the 10M-parameter case (target <= 5 s from `sentineld replay` to the "
+                       "verdict, interpreter start included)",
+                       [os.path.join(here, "replay_time.py"), "--repeat", "3", "--cli", "big_zero_std"])):
+        print(f"\n{what}:", flush=True)
+        proc = subprocess.run([sys.executable, *cmd], cwd=os.path.dirname(here), text=True,
+                              capture_output=True)
+        print(proc.stdout.rstrip() or proc.stderr[-2000:], flush=True)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ def train_steps(model: Any, opt: Any, batches: list[Any], watch: Any, n: int) ->
 
 def parts(watch: Any, batch: Any, loss: torch.Tensor) -> dict[str, tuple[Callable[[], Any] | None, Callable[[], Any]]]:
     """The per-step parts: ``name -> (how the agent did it before this change or None, now)``."""
+    from sentineld.agent.incidents import batch_check
     from sentineld.agent.readback import grad_norm
     from sentineld.agent.ring import HostCopies, Ring, RingEntry, to_host_sized
     from sentineld.agent.rngread import RngReader
@@ -101,7 +102,7 @@ def parts(watch: Any, batch: Any, loss: torch.Tensor) -> dict[str, tuple[Callabl
                                     nbytes=entry.nbytes))
 
     def readback() -> None:
-        vals = [loss.detach().float().reshape(()), torch.tensor(1.0), None, None]
+        vals = [loss.detach().float().reshape(()), torch.tensor(1.0), None, None, torch.tensor(0.5)]
         rec.readback.push(0, vals, {"step": 0, "step_s": 0.0, "time_s": 0.0, "optimizer_skipped": False,
                                     "layers": None, "rank": 0, "grads_carried": None, "lr": 1e-4}, entry)
         for _ in rec.readback.ready():
@@ -115,6 +116,7 @@ def parts(watch: Any, batch: Any, loss: torch.Tensor) -> dict[str, tuple[Callabl
         "grad norm (fused _foreach_norm)": (None, lambda: grad_norm(watch.optimizer)),
         "RNG states": (capture_rng, reader.read),
         "batch + forward-arg copies": (old_batch_and_args, new_batch_and_args),
+        "batch check (sum, on device)": (None, lambda: batch_check(batch)),
         "ring bookkeeping": (None, ring_add),
         "readback -> StepRecord": (None, readback),
         "record_to_json + json line": (None, stream_line),

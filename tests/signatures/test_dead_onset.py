@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sentineld.agent.actprobe import DEAD_INPUT, EPS, SATURATION_BAND
+from sentineld.agent.actmode import DEAD_INPUT, EPS, SATURATION_BAND
 from sentineld.contracts.records import StepRecord, record_from_json, record_to_json
 from sentineld.signatures import SignatureConfig, evaluate
 from tests.signatures.harness import batches, digits, train

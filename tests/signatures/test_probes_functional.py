@@ -1,4 +1,4 @@
-"""sentineld.agent.actprobe through the probes: activations called as functions inside a forward
+"""sentineld.agent.actmode and .acthooks through the probes: activations called as functions inside a forward
 are measured and named after the innermost module; nothing is left behind; the onset rule."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from sentineld.agent.actprobe import DEAD_INPUT
+from sentineld.agent.actmode import DEAD_INPUT
 from sentineld.agent.probes import attach_probes
 from sentineld.contracts.records import LayerStats, StepRecord
 from sentineld.signatures import SignatureConfig, detect_dead_relu

@@ -1,171 +1,54 @@
-"""Activation probe: dead and saturated units wherever an activation is computed, on sampled steps.
+"""The module-hook half of the activation probe: dead and saturated units wherever an activation
+is computed, on sampled steps, named after the module that computed it.
 
-An ``nn.ReLU`` module, ``F.relu`` / ``torch.relu`` / ``x.relu()`` called inside a ``forward``,
-``F.gelu``, ``F.silu``, ``torch.tanh``, ``torch.sigmoid`` ...: all end in a torch function call.
-On a sampled step the probe runs the model's forward under a ``TorchFunctionMode`` that looks
-at those calls only, and names each one after the innermost module whose ``forward`` made it (a
-stack kept by module forward hooks, registered for the sampled step only). ``nn.ReLU`` modules
-need no special case: their ``forward`` calls ``F.relu``, so the innermost module is the ReLU.
+On a sampled step (:meth:`ActivationProbe.start` .. :meth:`ActivationProbe.stop`) global module
+forward hooks keep a stack of the model's running modules. Activation modules (``nn.ReLU``,
+``nn.GELU``, ``nn.Tanh`` ...) are measured by those hooks themselves, with the module's settings;
+while the innermost running module is one whose ``forward`` may call an activation function (a
+user's module: ``OPEN``, see :func:`module_kind`), the function mode of :mod:`.actmode` is on and
+hands each activation call (``F.relu``, ``torch.tanh`` ...) back here, named after that module.
+What counts as dead or saturated per activation: :mod:`.actmode`.
 
-What a unit is, and when it counts as dead or saturated (one value per unit over the whole
-sampled batch: all micro-batches and all calls of the site in the step):
-
-- A unit is a feature: dim 1 of (B, F) and (B, C, H, W...), the last dim of (B, T, F).
-- ReLU-family, piecewise-linear (relu, relu6 = hardtanh(0, 6)): dead when the output is never
-  above its floor (0): its gradient is exactly 0 for the whole batch.
-- ReLU-family, smooth (GELU, SiLU, Mish, ELU, CELU, SELU, Hardswish): these pass gradient
-  below 0, so "never > 0" would call learning units dead. A unit is dead when its input stays in
-  the flat negative region, where the activation's slope is below :data:`EPS` (1% of the slope
-  of a live ReLU unit) for every input of the batch: GELU x < -3.07, SiLU/Mish x < -6.26, ELU
-  x < ln(0.01/alpha) (-4.61), SELU x < -5.17, CELU x < alpha ln 0.01, Hardswish x <= -3 (slope
-  exactly 0). The thresholds are where |f'(x)| first reaches 0.01 coming from -inf
-  (tests/signatures/test_dead_onset.py checks each against autograd). The method ("a large
-  number of neurons consistently at zero indicates dead ReLU", "the dead-region ratio should not
-  be excessively high") names the region; 1% is the same order as the saturation band below
-  (tanh' < 0.02 where |tanh| > 0.99, sigmoid' < 0.01 where sigmoid < 0.01 or > 0.99).
-- Tanh / Sigmoid: saturated output values over the batch (|tanh| > 0.99, sigmoid < 0.01 or
-  > 0.99: DeepDiagnosis's measure, SageMaker Debugger's ``SaturatedActivation``).
+A unit is a feature: dim 1 of (B, F) and (B, C, H, W...), the last dim of (B, T, F).
 
 Only calls whose input requires grad, with grad mode on, are looked at (an activation computed on
 a constant or in an evaluation pass is no unit being trained). The activation whose output is
 the model's output is left out (a confident sigmoid prediction is not a fault).
 
-Cost: nothing on other steps (no hook, no mode). On a sampled step, activation modules
-(``nn.ReLU``, ``nn.GELU``, ``nn.Tanh`` ...) are measured by the module stack's own hooks, and
-the function mode is on only while the innermost running module is one whose ``forward`` may call
-an activation function (a user's module; not the torch.nn layers that compute none, such as
-``nn.Conv2d``, ``nn.BatchNorm2d``, ``nn.MaxPool2d``, ``nn.Linear``, ``nn.Sequential``: see
-:func:`module_kind`). A model built from torch.nn layers alone never enters the mode; before,
-every convolution, batch-norm and pooling call of a sampled forward went through the mode's
-Python handler, about one whole extra step on a CNN. Each activation call adds one max
-reduction per unit (two for saturation) on its device; nothing is read back here (the caller
-reads all figures in one transfer).
+Cost: nothing on other steps (no hook, no mode). On a sampled step the function mode is on only
+inside ``OPEN`` modules: the torch.nn layers that compute no activation (``nn.Conv2d``,
+``nn.BatchNorm2d``, ``nn.MaxPool2d``, ``nn.Linear``, ``nn.Sequential`` ...) are ``QUIET``, so a
+model built from torch.nn layers alone never enters the mode; before, every convolution,
+batch-norm and pooling call of a sampled forward went through the mode's Python handler, about
+one whole extra step on a CNN. Each activation call adds one max reduction per unit (two for
+saturation) on its device; nothing is read back here (the caller reads all figures in one
+transfer).
 """
 
 from __future__ import annotations
 
-import math
 import threading
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-__all__ = ["ActivationProbe", "Rule", "EPS", "DEAD_INPUT", "rule_for"]
+from .actmode import (
+    RELU,
+    SATURATING,
+    SMOOTH,
+    ActivationMode,
+    Rule,
+    celu_rule,
+    elu_rule,
+    gelu_rule,
+    hardtanh_rule,
+    on_top,
+    probe_mode_active,
+    rule_for,
+)
 
-#: Slope under which a smooth activation's unit passes no useful gradient (see the module doc).
-EPS = 0.01
-#: Input below which |f'(x)| < EPS for every smaller x, per smooth activation (default params).
-DEAD_INPUT: dict[str, float] = {"gelu": -3.0675, "gelu_tanh": -3.0529, "silu": -6.2614,
-                                "mish": -6.264, "selu": -5.1695, "hardswish": -3.0}
-SATURATION_BAND: dict[str, tuple[float, float]] = {"tanh": (-0.99, 0.99), "sigmoid": (0.01, 0.99)}
-
-
-@dataclass(frozen=True)
-class Rule:
-    """How one activation call is measured.
-
-    Attributes:
-        op: the activation's name, e.g. ``"relu"``, ``"gelu"``, ``"tanh"``.
-        kind: ``"dead"`` or ``"saturated"``.
-        on_input: dead test on the input (smooth activations) rather than the output.
-        level: dead: input threshold (on_input) or output floor; unused for saturated.
-        band: saturated: output values outside (lo, hi) count as saturated.
-    """
-
-    op: str
-    kind: str
-    on_input: bool = False
-    level: float = 0.0
-    band: tuple[float, float] = (0.0, 0.0)
-
-
-def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str, default: Any) -> Any:
-    if len(args) > i:
-        return args[i]
-    return kwargs.get(name, default)
-
-
-def _float(v: Any, default: float) -> float:
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return default
-
-
-RELU = Rule("relu", "dead")
-_SMOOTH = {k: Rule(k.replace("_tanh", ""), "dead", True, v) for k, v in DEAD_INPUT.items()}
-_SAT = {k: Rule(k, "saturated", band=b) for k, b in SATURATION_BAND.items()}
-
-
-def _gelu(a: tuple[Any, ...], k: dict[str, Any]) -> Rule:
-    return _SMOOTH["gelu_tanh" if _arg(a, k, 1, "approximate", "none") == "tanh" else "gelu"]
-
-
-def _elu(a: tuple[Any, ...], k: dict[str, Any]) -> Rule | None:
-    alpha = _float(_arg(a, k, 1, "alpha", 1.0), 1.0)
-    return Rule("elu", "dead", True, math.log(EPS / alpha)) if alpha > 0 else None
-
-
-def _celu(a: tuple[Any, ...], k: dict[str, Any]) -> Rule | None:
-    alpha = _float(_arg(a, k, 1, "alpha", 1.0), 1.0)
-    return Rule("celu", "dead", True, alpha * math.log(EPS)) if alpha > 0 else None
-
-
-def _hardtanh(a: tuple[Any, ...], k: dict[str, Any]) -> Rule | None:
-    lo = _float(_arg(a, k, 1, "min_val", -1.0), -1.0)
-    hi = _float(_arg(a, k, 2, "max_val", 1.0), 1.0)
-    if lo < 0:
-        return None                     # a clamp to [-1, 1], not a unit that can die
-    return Rule("relu6" if (lo, hi) == (0.0, 6.0) else "hardtanh", "dead", level=lo)
-
-
-def _const(rule: Rule) -> Callable[[tuple[Any, ...], dict[str, Any]], Rule]:
-    return lambda a, k: rule
-
-
-def _table() -> dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], Rule | None]]:
-    T = torch.Tensor
-    table: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], Rule | None]] = {}
-    for f in (F.relu, F.relu_, torch.relu, torch.relu_, T.relu, T.relu_):
-        table[f] = _const(RELU)
-    for f in (F.relu6,):
-        table[f] = _const(Rule("relu6", "dead"))
-    for f in (F.hardtanh, F.hardtanh_):
-        table[f] = _hardtanh
-    table[F.gelu] = _gelu
-    for f in (F.silu,):
-        table[f] = _const(_SMOOTH["silu"])
-    for f in (F.mish,):
-        table[f] = _const(_SMOOTH["mish"])
-    for f in (F.selu, torch.selu, torch.selu_):
-        table[f] = _const(_SMOOTH["selu"])
-    for f in (F.hardswish,):
-        table[f] = _const(_SMOOTH["hardswish"])
-    for f in (F.elu, F.elu_):
-        table[f] = _elu
-    for f in (F.celu, torch.celu, torch.celu_):
-        table[f] = _celu
-    for f in (torch.tanh, torch.tanh_, T.tanh, T.tanh_):
-        table[f] = _const(_SAT["tanh"])
-    for f in (torch.sigmoid, torch.sigmoid_, T.sigmoid, T.sigmoid_, torch.special.expit):
-        table[f] = _const(_SAT["sigmoid"])
-    return table
-
-
-_RULES = _table()
-
-
-def rule_for(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Rule | None:
-    """The :class:`Rule` for one torch function call, or None when it is no activation we measure."""
-    try:
-        resolve = _RULES.get(func)
-    except TypeError:                    # an unhashable callable
-        return None
-    return resolve(args, kwargs) if resolve is not None else None
+__all__ = ["ActivationProbe", "module_kind", "OPEN", "QUIET", "ACT"]
 
 
 def _unit_dims(t: torch.Tensor) -> tuple[int, ...] | None:
@@ -179,17 +62,18 @@ def _unit_dims(t: torch.Tensor) -> tuple[int, ...] | None:
     return tuple(d for d in range(t.dim()) if d != 1)
 
 
+
 def _module_rules() -> dict[type, Callable[[Any], Rule | None]]:
     """The activation modules measured by their own forward hooks (no function mode): their
     ``forward`` is one call of the functional the mode would see, with the module's settings."""
     out: dict[type, Callable[[Any], Rule | None]] = {
         nn.ReLU: lambda m: RELU, nn.ReLU6: lambda m: Rule("relu6", "dead"),
-        nn.Hardtanh: lambda m: _hardtanh((None, m.min_val, m.max_val), {}),
-        nn.GELU: lambda m: _gelu((None, m.approximate), {}),
-        nn.SiLU: lambda m: _SMOOTH["silu"], nn.Mish: lambda m: _SMOOTH["mish"],
-        nn.SELU: lambda m: _SMOOTH["selu"], nn.Hardswish: lambda m: _SMOOTH["hardswish"],
-        nn.ELU: lambda m: _elu((None, m.alpha), {}), nn.CELU: lambda m: _celu((None, m.alpha), {}),
-        nn.Tanh: lambda m: _SAT["tanh"], nn.Sigmoid: lambda m: _SAT["sigmoid"]}
+        nn.Hardtanh: lambda m: hardtanh_rule((None, m.min_val, m.max_val), {}),
+        nn.GELU: lambda m: gelu_rule((None, m.approximate), {}),
+        nn.SiLU: lambda m: SMOOTH["silu"], nn.Mish: lambda m: SMOOTH["mish"],
+        nn.SELU: lambda m: SMOOTH["selu"], nn.Hardswish: lambda m: SMOOTH["hardswish"],
+        nn.ELU: lambda m: elu_rule((None, m.alpha), {}), nn.CELU: lambda m: celu_rule((None, m.alpha), {}),
+        nn.Tanh: lambda m: SATURATING["tanh"], nn.Sigmoid: lambda m: SATURATING["sigmoid"]}
     return out
 
 
@@ -257,27 +141,6 @@ class _Frame:
         self.pre: torch.Tensor | None = None
 
 
-class _Mode(TorchFunctionMode):
-    def __init__(self, probe: "ActivationProbe") -> None:
-        super().__init__()
-        self.probe = probe
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        frames = self.probe._frames
-        # Inside an activation module (its hooks measure it) or a quiet one whose entry could not
-        # leave the mode (another mode above ours): pass through.
-        if not frames or frames[-1].kind != OPEN:
-            return func(*args, **kwargs)
-        rule = rule_for(func, args, kwargs)
-        if rule is None:
-            return func(*args, **kwargs)
-        x = args[0] if args else kwargs.get("input")
-        pre = self.probe.before(rule, x)
-        out = func(*args, **kwargs)
-        self.probe.after(rule, pre, out)
-        return out
-
 
 Site = tuple[str, str, int]   # (module name, op, index of that op's call in the module's forward)
 
@@ -309,7 +172,7 @@ class ActivationProbe:
                 elif not isinstance(act, nn.Module):      # (a module activation is measured as one)
                     self._kinds[id(m)] = OPEN               # some other callable: the mode looks
         self._hooks: list[Any] = []
-        self._mode: _Mode | None = None
+        self._mode: ActivationMode | None = None
         self._thread = 0
         self.error: BaseException | None = None
         self._reset()
@@ -404,15 +267,14 @@ class ActivationProbe:
         """The function mode on exactly while the innermost module is an ``OPEN`` one."""
         want = self._frames[-1].kind == OPEN
         if want and self._mode is None:
-            if _probe_mode_active():
+            if probe_mode_active():
                 # (a second watch on the same model: the first one's probe measures this forward;
                 # two probe modes would interleave and the stack check would fail)
                 return
-            self._mode = _Mode(self)
+            self._mode = ActivationMode(self)
             self._mode.__enter__()
         elif not want and self._mode is not None:
-            n = torch._C._len_torch_function_stack()
-            if n and torch._C._get_function_stack_at(n - 1) is self._mode:
+            if on_top(self._mode):
                 mode, self._mode = self._mode, None
                 mode.__exit__(None, None, None)
             # else another mode is above ours: leave both; ours passes this module's calls through
@@ -421,13 +283,19 @@ class ActivationProbe:
         mode, self._mode = self._mode, None
         if mode is None:
             return
-        n = torch._C._len_torch_function_stack()
-        if n and torch._C._get_function_stack_at(n - 1) is mode:
+        if on_top(mode):
             mode.__exit__(None, None, None)
         else:      # another mode entered inside the forward and still open: leave the stack be
             self._fail(RuntimeError("function mode stack changed under the activation probe"))
 
     # ---------------------------------------------------------------- measuring
+    def looks_at_calls(self) -> bool:
+        """True while the innermost running module is an ``OPEN`` one (the function mode measures
+        its activation calls); False inside an activation module (its hooks measure it) or a
+        quiet one whose entry could not leave the mode (another mode above ours)."""
+        frames = self._frames
+        return bool(frames) and frames[-1].kind == OPEN
+
     def before(self, rule: Rule, x: Any) -> torch.Tensor | None:
         """The input-side live units of a smooth activation, taken before an in-place call."""
         if not self._frames or self.error is not None or not isinstance(x, torch.Tensor) \
@@ -495,11 +363,3 @@ class ActivationProbe:
                 out.append((site, "saturated", sat.float() / n))
         return out
 
-
-def _probe_mode_active() -> bool:
-    """True when an activation probe's mode is already on torch's function mode stack."""
-    try:
-        n = torch._C._len_torch_function_stack()
-        return any(isinstance(torch._C._get_function_stack_at(i), _Mode) for i in range(n))
-    except Exception:  # noqa: BLE001 - a torch without these internals: assume none
-        return False

@@ -11,11 +11,10 @@ Usage (the agent does this; a plain loop can too)::
         layers = probes.collect()            # dict[str, LayerStats] on sampled steps, else None
     probes.remove()                          # model and optimizer exactly as before
 
-Two kinds of sampled step. A *full* sample (:func:`full_at`: steps 0, 1, 2, 4, 8, 16, 32 ...
-of the run and the steady cadence) measures everything below; the other sampled steps of the
-dense head and the back-off measure the activations only (dead and saturated units: one max
-reduction per activation call, no parameter copy and no norms), which is what an early death
-needs seen soon.
+Two kinds of sampled step. A *full* sample (:func:`full_at`) measures everything below; the
+steps of the dense head other than 0, 1, 2, 4, 8 measure the activations only (dead and
+saturated units: one max reduction per activation call, no parameter copy and no norms), which
+is what an early death needs seen soon.
 
 When a step is sampled: every step for the first ``dense`` steps of the run (16 by default),
 then every 2, 4, 8 ... steps (the gap doubles each time the step count doubles), until the gap
@@ -111,19 +110,17 @@ def full_at(step: int, every: int, dense: int = DENSE_STEPS, first: int = 0) -> 
         step, every, dense, first: as for :func:`sampled_at`.
 
     Returns:
-        With ``r = step - first``: a sampled step with r = 0 or a power of two (0, 1, 2, 4, 8,
-        16, 32 ...), or a step of the steady cadence (``step % every == 0``; all of them for
-        ``every`` = 1). The head's and the back-off's other sampled steps are activation-only:
-        an early death is seen at once (what the dense head is for), the norms of the first
-        steps at a doubling gap. So of the 73 sampled steps among a run's first 200 (``every`` =
-        50), 11 are full (62 when the back-off's steps were all full: the first minutes of a run
-        paid ~10% of an MLP's step for them, issue 23), and each full one costs four fused
-        float32 norm passes and one parameter copy (:func:`_norms`).
+        With ``r = step - first``: in the dense head (r < ``dense``) only r = 0, 1, 2, 4, 8 and
+        the steps of the steady cadence (``step % every == 0``; all of them for ``every`` = 1);
+        the head's other steps are activation-only (an early death is seen at once, the norms of
+        the first steps at a doubling gap); from there on every sampled step. So of the 73
+        sampled steps among a run's first 200 (``every`` = 50), 62 are full, and each full one
+        costs four fused float32 norm passes and one parameter copy (:func:`_norms`).
     """
-    if not sampled_at(step, every, dense, first):
-        return False
     r = step - first
-    return r & (r - 1) == 0 or step % every == 0
+    if 0 <= r < dense:
+        return r & (r - 1) == 0 or step % every == 0
+    return sampled_at(step, every, dense, first)
 
 
 def _wide(device: torch.device) -> torch.dtype:

@@ -218,6 +218,16 @@ class SafeDir:
             self.unlink(tmp)
             raise
 
+    def rename(self, src: str, dst: str) -> None:
+        """Rename ``src`` to ``dst`` within this directory; an existing ``dst`` is replaced only
+        when it is a regular file owned by us (as :meth:`create`).
+
+        Raises:
+            OSError: ``dst`` is not ours to replace (``EEXIST``), or the rename failed.
+        """
+        self._check_target(dst, True)
+        os.replace(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
     def _check_target(self, name: str, replace: bool) -> None:
         try:
             st = self.lstat(name)

@@ -161,9 +161,14 @@ def read_lines(path: str | os.PathLike[str], offset: int = 0,
         if end < 0:
             if max_bytes is None or len(data) < max_bytes:
                 return out, offset  # a line still being written (or torn by a kill)
-            # One line longer than the chunk: read it whole, or skip it if absurdly long.
+            # One line longer than the chunk: read it whole, or skip it if absurdly long. The
+            # scan stops at MAX_LINE_BYTES: a 20 GiB sparse file without a newline (anyone who
+            # can write a stream can make one) would otherwise be read whole on every poll, on
+            # the daemon's main loop. What was scanned counts as one damaged line and is skipped.
             pos = offset + len(data)
             while True:
+                if pos - offset > MAX_LINE_BYTES:
+                    return [(None, pos)], pos
                 more = f.read(1 << 20)
                 if not more:
                     return out, offset

@@ -177,6 +177,17 @@ class RunWatch:
             self.meta_error = str(exc)
             self._meta_key = key
             return
+        if meta.run_id != self.run_dir.name:
+            # The agent names its run dir by the run id (or id.2, ...; it writes that into run.json),
+            # and a run dir is the only place the daemon knows a run by. A run.json naming another
+            # id would let whoever owns this dir speak for that run: her verdict naming "exp1" would
+            # pass the "names this run" check and go out as "replay of run exp1". Its stream is still
+            # alerted, as this dir's run; nothing is replayed or taken from it as a verdict.
+            self.meta_error = (f"{path}: run.json names run {meta.run_id[:80]!r}, but this run dir is "
+                               f"{self.run_dir.name!r}; a run is known by its directory's name (renamed? "
+                               "replay it by hand: sentineld replay <dir>)")
+            self._meta_key, self.meta = key, None
+            return
         self._meta_key, self.meta_error = key, None
         if self.meta is not None and meta.started_s != self.meta.started_s:
             self.replaced = True

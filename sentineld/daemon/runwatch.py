@@ -55,6 +55,7 @@ class RunWatch:
     meta_error: str | None = None
     notices: list[tuple[int, str, int, str]] = field(default_factory=list)  # (rank, kind, step, message)
     replaced: bool = False
+    crash_paged: bool = False  # a crash capture of this run was paged (one page per run)
     _meta_key: tuple[int, int, int] | None = None
 
     @property

@@ -88,7 +88,7 @@ def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, 
     cfg = _load(config_path, runs_dir, state_dir, notify, alertmanager_url, metrics_port, no_replay)
     from sentineld.daemon.delivery import valid_url  # noqa: PLC0415
     from sentineld.daemon.service import Daemon  # noqa: PLC0415
-    from sentineld.daemon.statedir import AlreadyRunning, daemon_pid  # noqa: PLC0415
+    from sentineld.daemon.statedir import AlreadyRunning, daemon_pid, private_state_dir  # noqa: PLC0415
 
     bad = [i for i, u in enumerate(cfg.notify) if not valid_url(u)]
     if bad:
@@ -100,7 +100,10 @@ def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, 
         except AlreadyRunning as exc:
             fail(str(exc), EXIT_OK)
         return
-    make_private_dir(cfg.state_dir)  # missing parents 0700 too (~/.local/state): nothing of ours world-readable
+    # Checked before anything is opened in it (the lock, the log): in a state dir another user
+    # owns or may write, her daemon.log link would take the daemon's output wherever it points.
+    # Missing parents are made 0700 too (~/.local/state): nothing of ours world-readable.
+    private_state_dir(cfg.state_dir)
     pid = daemon_pid(cfg.state_dir)
     if pid is not None:
         click.echo(f"sentineld daemon already running (pid {pid}), state dir {cfg.state_dir}")
@@ -123,7 +126,7 @@ def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, 
     if verbose:
         args.append("-v")
     log_path = cfg.state_dir / "daemon.log"
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)  # never a link
     proc = subprocess.Popen(args, stdout=fd, stderr=fd, stdin=subprocess.DEVNULL, start_new_session=True,
                             env=env)
     os.close(fd)

@@ -61,3 +61,28 @@ def test_a_lock_link_is_a_clear_error(mallory, shared, command):  # noqa: F811
     assert "Traceback" not in r.stderr
     assert f"state dir {state}: cannot open its lock daemon.lock" in r.stderr
     assert precious.read_bytes() == PRECIOUS
+
+
+def test_a_config_file_she_wrote_is_refused(mallory, shared, tmp_path):  # noqa: F811
+    """Before: root's daemon took her config: every alert to her webhook (``notify``)."""
+    pub = shared / "pub"
+    pub.mkdir()
+    pub.chmod(0o1777)
+    cfg = pub / "sentineld.toml"
+    as_mallory(mallory, f"printf 'notify = [\"json://127.0.0.1:9/hers\"]\\n' > {cfg}")
+    r = _cli("start", "--foreground", "--config", str(cfg), "--state-dir", str(tmp_path / "state"),
+             "--runs-dir", str(tmp_path / "runs"), "--metrics-port", "0")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"config file {cfg} could have been written by another user" in r.stderr
+    assert f"owned by uid {mallory.pw_uid}" in r.stderr
+    assert not (tmp_path / "state" / "status.json").exists()  # no daemon ran on it
+
+
+def test_a_fifo_config_never_blocks_the_start(tmp_path):
+    """Before: ``open()`` of a FIFO config blocked ``sentineld start`` for good."""
+    cfg = tmp_path / "config.toml"
+    os.mkfifo(cfg, 0o600)
+    r = _cli("start", "--foreground", "--config", str(cfg), "--state-dir", str(tmp_path / "state"),
+             "--runs-dir", str(tmp_path / "runs"), "--metrics-port", "0")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"cannot read config file {cfg}" in r.stderr and "is a FIFO, not a regular file" in r.stderr

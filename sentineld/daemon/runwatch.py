@@ -19,6 +19,7 @@ from typing import Any, Callable
 from sentineld.contracts.nonfinite import recovered_at
 from sentineld.contracts.records import StepRecord
 from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, read_run_meta
+from sentineld.contracts.safeio import SafeDir
 from sentineld.daemon.rankwatch import AgentNote, RankWatch, as_int
 from sentineld.daemon.statedir import read_state_json, write_json_atomic
 
@@ -331,11 +332,23 @@ def remove_stale_temps(rw: RunWatch) -> int:
     import socket  # noqa: PLC0415
 
     n = 0
-    for p in stale_temp_captures(rw, time.time(), socket.gethostname(), pid_alive):
-        try:
-            p.unlink()
-        except OSError:
-            continue
-        n += 1
-        log.info("run %s: removed %s, a capture its killed process never finished", rw.run_id, p.name)
+    stale = stale_temp_captures(rw, time.time(), socket.gethostname(), pid_alive)
+    if not stale:
+        return 0
+    try:
+        # Through the run dir's descriptor, never following a link: in a shared runs dir its owner
+        # can swap her run dir for a link to a folder of ours between the check and the unlink.
+        d = SafeDir.open(rw.run_dir)
+    except OSError:
+        return 0
+    with d:
+        for p in stale:
+            try:
+                if not stat.S_ISREG(d.lstat(p.name).st_mode):
+                    continue
+                os.unlink(p.name, dir_fd=d.fd)
+            except OSError:
+                continue
+            n += 1
+            log.info("run %s: removed %s, a capture its killed process never finished", rw.run_id, p.name)
     return n

@@ -73,3 +73,26 @@ def test_a_symlink_in_the_runs_dir_is_not_a_run(mallory, shared, template, make_
     time.sleep(2.0)
     assert {n["run"] for n in d.notifications()} == {"ours"}, d.notifications()
     assert [r["run_dir"] for r in d.status()["runs"]] == [str(ours)]
+
+
+def test_her_run_dir_swapped_for_a_link_never_deletes_our_files(mallory, shared, make_daemon):  # noqa: F811
+    """Before: the daemon removes a dead process's stale ``capture-rank<R>-*.h5.tmp`` by path; she
+    swapped her watched run dir for a link to a private folder of ours, and ours went."""
+    import socket
+
+    runs = _shared_runs(shared)
+    private = shared / "root-private"
+    private.mkdir(mode=0o700)
+    ours = private / "capture-rank0-step000000009-nonfinite.h5.tmp"  # e.g. a capture still being written
+    ours.write_bytes(b"ours")
+    os.utime(ours, (time.time() - 600, time.time() - 600))
+    start = json.dumps({"kind": "start", "run_id": "hers", "rank": 0, "pid": 999999,
+                        "host": socket.gethostname(), "time_s": time.time()})
+    as_mallory(mallory, f"mkdir -m 755 {runs}/hers && echo '{start}' > {runs}/hers/stream-rank0.jsonl")
+    d = make_daemon(runs_dir=runs)
+    wait_until(lambda: [r for r in d.status().get("runs", []) if r["run_id"] == "hers" and r["ranks"] == [0]],
+               30, "her run watched")
+    as_mallory(mallory, f"mv {runs}/hers {runs}/hers.old && ln -s {private} {runs}/hers")
+    time.sleep(4.0)  # several scans, each of which removes stale temp files
+    assert ours.read_bytes() == b"ours"
+    assert d.status()["stale_temps_removed"] == 0

@@ -24,7 +24,7 @@ import click
 
 from sentineld.cliargs import SentineldGroup, fail, run_dir_of, safe_state_dir
 from sentineld.contracts.errors import EXIT_NOT_RUNNING, EXIT_OK, NoDaemon
-from sentineld.contracts.rundir import make_private_dir
+from sentineld.contracts.trust import module_command
 from sentineld.daemon.daemon_config import ConfigError, load_config
 from sentineld.preflight.command import preflight
 from sentineld.regress.command import regress
@@ -108,7 +108,7 @@ def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, 
     if pid is not None:
         click.echo(f"sentineld daemon already running (pid {pid}), state dir {cfg.state_dir}")
         return
-    args = [sys.executable, "-m", "sentineld", "start", "--foreground",
+    args = [*module_command("sentineld"), "start", "--foreground",  # not -m: that imports from the cwd
             "--runs-dir", str(cfg.runs_dir), "--state-dir", str(cfg.state_dir)]
     if config_path:
         args += ["--config", config_path]

@@ -219,7 +219,7 @@ def runs(runs_dir: str | None, state_dir: str | None, as_json: bool) -> None:
         st = read_status(sd) if sd.is_dir() and daemon_pid(sd) is not None else None
         if st and isinstance(st.get("runs_dir"), str):
             runs_dir = st["runs_dir"]
-    from sentineld.contracts.rundir import RunDirError, list_captures, read_run_meta  # noqa: PLC0415
+    from sentineld.contracts.rundir import list_captures  # noqa: PLC0415
     from sentineld.daemon.runwatch import RunWatch  # noqa: PLC0415
 
     rd = Path(runs_dir) if runs_dir else load_config().runs_dir
@@ -229,15 +229,11 @@ def runs(runs_dir: str | None, state_dir: str | None, as_json: bool) -> None:
     rows: list[dict[str, Any]] = []
     for d in sorted(p for p in rd.iterdir() if p.is_dir() and not p.is_symlink()) if rd.is_dir() else []:
         try:  # one damaged run is shown with its error; it never hides the others
-            rw = RunWatch(d)
+            rw = _tail_watch(RunWatch(d))
             rw.poll()
             while rw.behind:
                 rw.poll()
-            try:
-                meta = read_run_meta(d)
-                err = None
-            except RunDirError as exc:
-                meta, err = None, str(exc)
+            meta, err = rw.meta, rw.meta_error  # as the daemon reads it (a run.json naming another run is none)
             nonfinite = sum(1 for rk in rw.ranks.values() for r in rk.records if r.nonfinite)
             rows.append({"run_id": meta.run_id if meta else d.name, "dir": str(d), "ranks": sorted(rw.ranks),
                          "last_step": rw.last_step,
@@ -264,6 +260,31 @@ def runs(runs_dir: str | None, state_dir: str | None, as_json: bool) -> None:
         t.add_row(r["run_id"], ",".join(map(str, r["ranks"])), str(r["last_step"]), r["state"],
                   str(len(r["captures"])), str(r.get("metrics_port") or "-"), (r["error"] or "")[:60])
     con.print(t)
+
+
+#: How much of each stream's end ``sentineld runs`` reads: its last step, end and window are
+#: there (a step record is a few hundred bytes). Reading whole streams made a listing of a shared
+#: runs dir take as long as another user's sparse multi-GiB stream took to read.
+RUNS_TAIL_BYTES = 8 << 20
+
+
+def _tail_watch(rw: Any) -> Any:
+    """``rw`` (a fresh RunWatch) set to read only the last :data:`RUNS_TAIL_BYTES` of each stream."""
+    from sentineld.contracts.rundir import RunDir  # noqa: PLC0415
+    from sentineld.daemon.rankwatch import RankWatch  # noqa: PLC0415
+
+    for name in os.listdir(rw.run_dir):
+        rank = RunDir.stream_rank(name)
+        if rank is None:
+            continue
+        path = rw.run_dir / name
+        try:
+            size = os.lstat(path).st_size
+        except OSError:
+            continue
+        if size > RUNS_TAIL_BYTES:  # starts inside a line: that one is skipped as damaged
+            rw.ranks[rank] = RankWatch.at(path, rw.window, size - RUNS_TAIL_BYTES)
+    return rw
 
 
 @cli.command()

@@ -165,6 +165,8 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
 
         candidate = Path(platformdirs.user_config_dir("sentineld")) / "config.toml"
         cfg_path = candidate if candidate.exists() else None
+    if cfg_path is not None and os.path.realpath(cfg_path) == os.devnull:
+        cfg_path = None  # `--config /dev/null`: no config file (a device, read as empty)
     if cfg_path is not None:
         # The config names where alerts go (notify URLs: a webhook of hers would get every alert)
         # and the dirs the daemon trusts: one another user could write is refused, as the code

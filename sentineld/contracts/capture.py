@@ -366,6 +366,31 @@ class Capture:
                                "the capture is damaged, use another capture of this run") from None
 
 
+def _reaches_out(f: Any) -> str | None:
+    """The first external or soft link in HDF5 file ``f`` (HDF5 opens the file an external link
+    names; soft links may loop), or None. One C-level walk of the links (``H5Lvisit``: recurses
+    into hard-linked groups only, each once, resolving nothing). Datasets that keep their data in
+    another file are refused where they are read (``read_dataset``)."""
+    import h5py  # noqa: PLC0415
+
+    found: list[bytes] = []
+
+    def check(name: bytes, info: Any) -> int | None:
+        if info.type != h5py.h5l.TYPE_HARD:
+            found.append(name)
+            return 1  # stops the walk
+        return None
+
+    f.id.links.visit(check, info=True)
+    if not found:
+        return None
+    name = found[0].decode("utf-8", "replace")
+    link = f.get(name, getlink=True)
+    if isinstance(link, h5py.ExternalLink):
+        return f"/{name} is an external link to {str(link.filename)[:200]}"
+    return f"/{name} is a {type(link).__name__} to {str(getattr(link, 'path', '?'))[:200]}"
+
+
 def open_capture(path: str | os.PathLike[str]) -> Capture:
     """Open a capture for reading and check its schema version.
 
@@ -402,6 +427,11 @@ def open_capture(path: str | os.PathLike[str]) -> Capture:
             raise CaptureError(f"{path}: capture is damaged ({type(exc).__name__}: {exc})") from None
         if not has_groups:
             raise CaptureError(f"{path}: capture lacks its snapshot or steps group; it is damaged")
+        out = _reaches_out(f)
+        if out:
+            raise CaptureError(f"{path}: {out}; sentineld writes self-contained captures, so this one "
+                               "was crafted: it is not read (HDF5 would open that file: a FIFO there "
+                               "blocks for good, another file is read as if it were this one)")
     except BaseException:
         try:
             f.close()

@@ -160,6 +160,9 @@ def read_dataset(ds: Any) -> Any:
     Raises:
         CaptureError: the stored checksum does not match (the file was altered after writing).
     """
+    if ds.external or ds.is_virtual:  # HDF5 would read (or block on) another file for it
+        raise CaptureError(f"{_name(ds)}: dataset {ds.name} keeps its data in another file; sentineld "
+                           "writes self-contained captures, so this one was crafted: it is not read")
     declared = int(ds.size or 0) * int(ds.dtype.itemsize or 1)
     file_bytes = os.path.getsize(ds.file.filename)
     if declared > max(MIN_DATASET_LIMIT_BYTES, DECLARED_BYTES_PER_FILE_BYTE * file_bytes):

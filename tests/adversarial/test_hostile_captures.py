@@ -66,3 +66,59 @@ def test_swapping_a_fifo_under_a_capture_name_never_blocks_the_daemon(mallory, s
     assert d.log.read_text().count("another crash capture") >= 10
     t0 = time.monotonic()
     assert d.stop() == 0 and time.monotonic() - t0 < 15
+
+
+def _her_crafted_run(mallory, runs, template, edit) -> None:  # noqa: F811, ANN001
+    import shutil
+
+    import h5py
+
+    run = _copy_run(template, runs / "hers", {"run_id": "hers", "recipe": None})
+    cap = next(run.glob("capture-*.h5"))
+    with h5py.File(cap, "a") as f:
+        edit(f)
+    (run / cap.name.replace(".h5", ".verdict.json")).unlink(missing_ok=True)
+    shutil.chown(run, mallory.pw_uid, mallory.pw_gid)
+    for p in run.iterdir():
+        os.chown(p, mallory.pw_uid, mallory.pw_gid)
+
+
+def test_an_external_link_to_a_fifo_in_her_capture_never_blocks_report(mallory, shared, template):  # noqa: F811
+    """Before: root's ``sentineld report`` of her run blocked for good: her capture's ``snapshot``
+    was an HDF5 external link to a FIFO, which HDF5 opened when the report read the snapshot."""
+    import h5py
+
+    runs = _shared_runs(shared)
+    fifo = shared / "fifo.h5"
+    os.mkfifo(fifo)
+
+    def edit(f):  # noqa: ANN001, ANN202
+        del f["snapshot"]
+        f["snapshot"] = h5py.ExternalLink(str(fifo), "/snapshot")
+
+    _her_crafted_run(mallory, runs, template, edit)
+    out = shared / "report.html"
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "sentineld", "report", str(runs / "hers"), "-o", str(out),
+                        "--no-activations"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert time.monotonic() - t0 < 60
+    assert f"/snapshot is an external link to {fifo}" in out.read_text()
+
+
+def test_a_dataset_stored_in_another_file_is_not_read(shared, template):  # noqa: F811
+    """HDF5 external storage would read a dataset's bytes from any file (a root-only one)."""
+    import h5py
+    import numpy as np
+
+    from sentineld.contracts.capture import CaptureError
+    from sentineld.contracts.capture_data import read_dataset
+
+    secret = shared / "secret"
+    secret.write_bytes(b"root's secret bytes!" * 4)
+    secret.chmod(0o600)
+    path = shared / "crafted.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", shape=(80,), dtype=np.uint8, external=[(str(secret), 0, 80)])
+    with h5py.File(path, "r") as f, pytest.raises(CaptureError, match="keeps its data in another file"):
+        read_dataset(f["x"])

@@ -67,6 +67,19 @@ CLOSE_WAIT_S = 30.0
 #: Most seconds a child localization may run while training goes on (then it is killed).
 CHILD_TIMEOUT_S = 600.0
 
+#: The child's import path is the training process's own (handed over in this variable), not
+#: ``python -m``'s, which puts the working directory first: training run as ``cd /tmp && python
+#: ~/proj/train.py`` never imports from /tmp, but its child did (another user's
+#: ``/tmp/sentineld/__init__.py`` ran as the training user).
+CHILD_PATH_ENV = "SENTINELD_LIVE_CHILD_PATH"
+_CHILD_BOOT = ("import sys\n"
+               "if sys.path and sys.path[0] == '':\n"
+               "    del sys.path[0]  # -c's working directory: gone before anything is imported\n"
+               "import json, os, runpy\n"
+               "sys.path[:] = json.loads(os.environ.pop(%r))\n"
+               "runpy.run_module('sentineld.replay.live_child', run_name='__main__', alter_sys=True)\n"
+               % CHILD_PATH_ENV)
+
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
     """Bytes of the model's parameters and buffers (a tied tensor once) plus the optimizer's
@@ -276,8 +289,8 @@ class LiveLocalizer:
         spec = {"run_dir": str(path.parent), "capture": str(path), "recipe_args": args,
                 "zero_grad": not carried, "modes": self.modes.get(snap.step), "num_threads": self.num_threads}
         t0 = time.monotonic()
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, self.num_threads))}
-        proc = subprocess.Popen([sys.executable, "-m", "sentineld.replay.live_child"], stdin=subprocess.PIPE,
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, self.num_threads)), CHILD_PATH_ENV: json.dumps(sys.path)}
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD_BOOT], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=os.getcwd(), env=env,
                                 start_new_session=True)
         payload: str | None = json.dumps(spec)

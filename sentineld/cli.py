@@ -24,7 +24,7 @@ import click
 
 from sentineld.cliargs import SentineldGroup, fail, run_dir_of, safe_state_dir
 from sentineld.contracts.errors import EXIT_NOT_RUNNING, EXIT_OK, NoDaemon
-from sentineld.contracts.rundir import make_private_dir
+from sentineld.contracts.trust import module_command
 from sentineld.daemon.daemon_config import ConfigError, load_config
 from sentineld.preflight.command import preflight
 from sentineld.regress.command import regress
@@ -88,7 +88,7 @@ def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, 
     cfg = _load(config_path, runs_dir, state_dir, notify, alertmanager_url, metrics_port, no_replay)
     from sentineld.daemon.delivery import valid_url  # noqa: PLC0415
     from sentineld.daemon.service import Daemon  # noqa: PLC0415
-    from sentineld.daemon.statedir import AlreadyRunning, daemon_pid  # noqa: PLC0415
+    from sentineld.daemon.statedir import AlreadyRunning, daemon_pid, private_state_dir  # noqa: PLC0415
 
     bad = [i for i, u in enumerate(cfg.notify) if not valid_url(u)]
     if bad:
@@ -100,12 +100,15 @@ def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, 
         except AlreadyRunning as exc:
             fail(str(exc), EXIT_OK)
         return
-    make_private_dir(cfg.state_dir)  # missing parents 0700 too (~/.local/state): nothing of ours world-readable
+    # Checked before anything is opened in it (the lock, the log): in a state dir another user
+    # owns or may write, her daemon.log link would take the daemon's output wherever it points.
+    # Missing parents are made 0700 too (~/.local/state): nothing of ours world-readable.
+    private_state_dir(cfg.state_dir)
     pid = daemon_pid(cfg.state_dir)
     if pid is not None:
         click.echo(f"sentineld daemon already running (pid {pid}), state dir {cfg.state_dir}")
         return
-    args = [sys.executable, "-m", "sentineld", "start", "--foreground",
+    args = [*module_command("sentineld"), "start", "--foreground",  # not -m: that imports from the cwd
             "--runs-dir", str(cfg.runs_dir), "--state-dir", str(cfg.state_dir)]
     if config_path:
         args += ["--config", config_path]
@@ -123,7 +126,7 @@ def start(config_path: str | None, runs_dir: str | None, state_dir: str | None, 
     if verbose:
         args.append("-v")
     log_path = cfg.state_dir / "daemon.log"
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)  # never a link
     proc = subprocess.Popen(args, stdout=fd, stderr=fd, stdin=subprocess.DEVNULL, start_new_session=True,
                             env=env)
     os.close(fd)
@@ -216,7 +219,7 @@ def runs(runs_dir: str | None, state_dir: str | None, as_json: bool) -> None:
         st = read_status(sd) if sd.is_dir() and daemon_pid(sd) is not None else None
         if st and isinstance(st.get("runs_dir"), str):
             runs_dir = st["runs_dir"]
-    from sentineld.contracts.rundir import RunDirError, list_captures, read_run_meta  # noqa: PLC0415
+    from sentineld.contracts.rundir import list_captures  # noqa: PLC0415
     from sentineld.daemon.runwatch import RunWatch  # noqa: PLC0415
 
     rd = Path(runs_dir) if runs_dir else load_config().runs_dir
@@ -226,15 +229,11 @@ def runs(runs_dir: str | None, state_dir: str | None, as_json: bool) -> None:
     rows: list[dict[str, Any]] = []
     for d in sorted(p for p in rd.iterdir() if p.is_dir() and not p.is_symlink()) if rd.is_dir() else []:
         try:  # one damaged run is shown with its error; it never hides the others
-            rw = RunWatch(d)
+            rw = _tail_watch(RunWatch(d))
             rw.poll()
             while rw.behind:
                 rw.poll()
-            try:
-                meta = read_run_meta(d)
-                err = None
-            except RunDirError as exc:
-                meta, err = None, str(exc)
+            meta, err = rw.meta, rw.meta_error  # as the daemon reads it (a run.json naming another run is none)
             nonfinite = sum(1 for rk in rw.ranks.values() for r in rk.records if r.nonfinite)
             rows.append({"run_id": meta.run_id if meta else d.name, "dir": str(d), "ranks": sorted(rw.ranks),
                          "last_step": rw.last_step,
@@ -261,6 +260,31 @@ def runs(runs_dir: str | None, state_dir: str | None, as_json: bool) -> None:
         t.add_row(r["run_id"], ",".join(map(str, r["ranks"])), str(r["last_step"]), r["state"],
                   str(len(r["captures"])), str(r.get("metrics_port") or "-"), (r["error"] or "")[:60])
     con.print(t)
+
+
+#: How much of each stream's end ``sentineld runs`` reads: its last step, end and window are
+#: there (a step record is a few hundred bytes). Reading whole streams made a listing of a shared
+#: runs dir take as long as another user's sparse multi-GiB stream took to read.
+RUNS_TAIL_BYTES = 8 << 20
+
+
+def _tail_watch(rw: Any) -> Any:
+    """``rw`` (a fresh RunWatch) set to read only the last :data:`RUNS_TAIL_BYTES` of each stream."""
+    from sentineld.contracts.rundir import RunDir  # noqa: PLC0415
+    from sentineld.daemon.rankwatch import RankWatch  # noqa: PLC0415
+
+    for name in os.listdir(rw.run_dir):
+        rank = RunDir.stream_rank(name)
+        if rank is None:
+            continue
+        path = rw.run_dir / name
+        try:
+            size = os.lstat(path).st_size
+        except OSError:
+            continue
+        if size > RUNS_TAIL_BYTES:  # starts inside a line: that one is skipped as damaged
+            rw.ranks[rank] = RankWatch.at(path, rw.window, size - RUNS_TAIL_BYTES)
+    return rw
 
 
 @cli.command()

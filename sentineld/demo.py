@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sentineld.contracts.trust import module_command
+
 __all__ = ["run_demo", "wait_for_notifications"]
 
 
@@ -80,7 +82,7 @@ def _start_daemon(rd: Path, notify: tuple[str, ...], con: Any) -> tuple[Path, su
         con.print(f"[dim]using the running daemon (state {state_dir})[/dim]")
         return state_dir, None
     state_dir = Path(tempfile.mkdtemp(prefix="sentineld-demo-state-"))
-    args = [sys.executable, "-m", "sentineld", "start", "--foreground", "--runs-dir", str(rd),
+    args = [*module_command("sentineld"), "start", "--foreground", "--runs-dir", str(rd),  # not -m (cwd)
             "--state-dir", str(state_dir), "--metrics-port", "0"]
     for u in notify:
         args += ["--notify", u]

@@ -27,6 +27,7 @@ capture on disk is whole or absent.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -50,7 +51,7 @@ from sentineld.contracts.capture_data import (
     torch_module,
 )
 from sentineld.contracts.h5write import tree_bytes, write_h5_atomic
-from sentineld.contracts.safeio import SafeDir
+from sentineld.contracts.safeio import SafeDir, open_pinned
 from sentineld.contracts.treecodec import TreeCodecError, decode, encode
 
 log = logging.getLogger("sentineld.capture")
@@ -267,9 +268,10 @@ class Capture:
         sharded_state: the DCP checkpoint directory of a sharded run's snapshot, else None.
     """
 
-    def __init__(self, path: Path, h5: Any) -> None:
+    def __init__(self, path: Path, h5: Any, fd: int = -1) -> None:
         self.path = path
         self._f = h5
+        self._fd = fd  # the descriptor HDF5 opened it by (open_pinned); closed with the file
         try:
             a = h5.attrs
             self.schema_version = int(a["schema_version"])
@@ -297,6 +299,9 @@ class Capture:
     def close(self) -> None:
         """Close the HDF5 file."""
         self._f.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     @property
     def steps(self) -> list[int]:
@@ -361,6 +366,31 @@ class Capture:
                                "the capture is damaged, use another capture of this run") from None
 
 
+def _reaches_out(f: Any) -> str | None:
+    """The first external or soft link in HDF5 file ``f`` (HDF5 opens the file an external link
+    names; soft links may loop), or None. One C-level walk of the links (``H5Lvisit``: recurses
+    into hard-linked groups only, each once, resolving nothing). Datasets that keep their data in
+    another file are refused where they are read (``read_dataset``)."""
+    import h5py  # noqa: PLC0415
+
+    found: list[bytes] = []
+
+    def check(name: bytes, info: Any) -> int | None:
+        if info.type != h5py.h5l.TYPE_HARD:
+            found.append(name)
+            return 1  # stops the walk
+        return None
+
+    f.id.links.visit(check, info=True)
+    if not found:
+        return None
+    name = found[0].decode("utf-8", "replace")
+    link = f.get(name, getlink=True)
+    if isinstance(link, h5py.ExternalLink):
+        return f"/{name} is an external link to {str(link.filename)[:200]}"
+    return f"/{name} is a {type(link).__name__} to {str(getattr(link, 'path', '?'))[:200]}"
+
+
 def open_capture(path: str | os.PathLike[str]) -> Capture:
     """Open a capture for reading and check its schema version.
 
@@ -371,19 +401,22 @@ def open_capture(path: str | os.PathLike[str]) -> Capture:
 
     path = Path(path)
     try:
-        is_file = path.is_file()
+        # Opened once as a regular file (no link, FIFO or device) and handed to HDF5 by that
+        # descriptor: a file swapped after a check is never what HDF5 opens (open_pinned).
+        fd, name = open_pinned(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise CaptureError(f"{path}: no such capture file") from None
     except OSError as exc:
         raise CaptureError(f"{path}: cannot be read ({exc})") from None
-    if not is_file:
-        raise CaptureError(f"{path}: no such capture file")
     try:
-        f = h5py.File(path, "r")
+        f = h5py.File(name, "r")
     except Exception as exc:  # noqa: BLE001 - OSError mostly; h5py raises others on odd files
+        os.close(fd)
         raise CaptureError(f"{path}: cannot open as HDF5 ({exc}); the file is truncated or not a "
                            "capture. Captures are written atomically, so a damaged one was altered "
                            "after writing: use another capture of this run") from None
     try:
-        cap = Capture(path, f)
+        cap = Capture(path, f, fd)
         if cap.schema_version != SCHEMA_VERSION:
             raise CaptureError(f"{path}: capture schema version {cap.schema_version} is not "
                                f"supported (this sentineld reads version {SCHEMA_VERSION}); "
@@ -394,11 +427,18 @@ def open_capture(path: str | os.PathLike[str]) -> Capture:
             raise CaptureError(f"{path}: capture is damaged ({type(exc).__name__}: {exc})") from None
         if not has_groups:
             raise CaptureError(f"{path}: capture lacks its snapshot or steps group; it is damaged")
+        out = _reaches_out(f)
+        if out:
+            raise CaptureError(f"{path}: {out}; sentineld writes self-contained captures, so this one "
+                               "was crafted: it is not read (HDF5 would open that file: a FIFO there "
+                               "blocks for good, another file is read as if it were this one)")
     except BaseException:
         try:
             f.close()
         except Exception:  # noqa: BLE001
             pass
+        with contextlib.suppress(OSError):
+            os.close(fd)
         raise
     return cap
 

@@ -143,22 +143,36 @@ def _raw(val: Any) -> Any:
     return arr.view(np.uint8).reshape(-1).data if arr.ndim else arr.tobytes()
 
 
+def _name(ds: Any) -> str:
+    """The capture's path for messages (HDF5 opened it as ``/proc/self/fd/N``: safeio.open_pinned)."""
+    name = str(ds.file.filename)
+    if name.startswith("/proc/self/fd/"):
+        try:
+            return os.readlink(name)
+        except OSError:
+            pass
+    return name
+
+
 def read_dataset(ds: Any) -> Any:
     """The value of a capture dataset, its checksum verified.
 
     Raises:
         CaptureError: the stored checksum does not match (the file was altered after writing).
     """
+    if ds.external or ds.is_virtual:  # HDF5 would read (or block on) another file for it
+        raise CaptureError(f"{_name(ds)}: dataset {ds.name} keeps its data in another file; sentineld "
+                           "writes self-contained captures, so this one was crafted: it is not read")
     declared = int(ds.size or 0) * int(ds.dtype.itemsize or 1)
     file_bytes = os.path.getsize(ds.file.filename)
     if declared > max(MIN_DATASET_LIMIT_BYTES, DECLARED_BYTES_PER_FILE_BYTE * file_bytes):
-        raise CaptureError(f"{ds.file.filename}: dataset {ds.name} declares {declared} bytes, far more than "
+        raise CaptureError(f"{_name(ds)}: dataset {ds.name} declares {declared} bytes, far more than "
                            f"the {file_bytes}-byte file can hold; the capture was altered or crafted, "
                            "it is not read (use another capture of this run)")
     val = ds[()]
     want = ds.attrs.get("crc32")
     if want is not None and crc32(_raw(val)) != int(want):
-        raise CaptureError(f"{ds.file.filename}: dataset {ds.name} is corrupted (checksum mismatch); "
+        raise CaptureError(f"{_name(ds)}: dataset {ds.name} is corrupted (checksum mismatch); "
                            "the capture was altered after it was written: use another capture of this run")
     return val
 

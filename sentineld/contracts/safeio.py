@@ -33,7 +33,7 @@ import stat
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Iterator
 
-__all__ = ["SafeDir", "UnsafeDirError", "open_regular", "read_regular", "read_json", "is_regular",
+__all__ = ["SafeDir", "UnsafeDirError", "open_regular", "open_pinned", "read_regular", "read_json", "is_regular",
            "write_atomic", "MAX_RUN_JSON_BYTES", "MAX_JSON_DEPTH", "json_depth_ok"]
 
 #: Largest ``run.json`` read. The agent writes a few KiB (recipe args, a model config for the
@@ -218,6 +218,16 @@ class SafeDir:
             self.unlink(tmp)
             raise
 
+    def rename(self, src: str, dst: str) -> None:
+        """Rename ``src`` to ``dst`` within this directory; an existing ``dst`` is replaced only
+        when it is a regular file owned by us (as :meth:`create`).
+
+        Raises:
+            OSError: ``dst`` is not ours to replace (``EEXIST``), or the rename failed.
+        """
+        self._check_target(dst, True)
+        os.replace(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
     def _check_target(self, name: str, replace: bool) -> None:
         try:
             st = self.lstat(name)
@@ -292,6 +302,24 @@ def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
     d, name = _parent(path)
     with d:
         return d.open_regular(name)
+
+
+def open_pinned(path: str | os.PathLike[str]) -> tuple[int, str]:
+    """Open regular file ``path`` (as :func:`open_regular`) for a library that takes only a path.
+
+    Returns ``(fd, name)``: ``name`` reopens exactly the file behind ``fd`` (``/proc/self/fd/<fd>``
+    where the system has it, else ``path``); close ``fd`` once the library is done with the file.
+    HDF5 opens by name, and a name checked first is re-resolved when HDF5 opens it: another user
+    who owns the directory can swap a FIFO in between (the open then blocks for good: the daemon's
+    main loop did, reading her crash captures) or a link to a file of ours.
+
+    Raises:
+        OSError: as :func:`open_regular`.
+    """
+    with open_regular(path) as f:
+        fd = os.dup(f.fileno())
+    pinned = f"/proc/self/fd/{fd}"
+    return fd, pinned if os.path.exists(pinned) else os.fspath(path)
 
 
 def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:

@@ -161,9 +161,17 @@ def read_lines(path: str | os.PathLike[str], offset: int = 0,
         if end < 0:
             if max_bytes is None or len(data) < max_bytes:
                 return out, offset  # a line still being written (or torn by a kill)
-            # One line longer than the chunk: read it whole, or skip it if absurdly long.
+            # One line longer than the chunk: read it whole, or skip it if absurdly long. The
+            # scan stops at MAX_LINE_BYTES: a 20 GiB sparse file without a newline (anyone who
+            # can write a stream can make one) would otherwise be read whole on every poll, on
+            # the daemon's main loop. No agent writes such a line, so the rest of the file is
+            # skipped with it (one damaged line): reading on would cost as much as the file's
+            # apparent size, which costs her nothing. Lines appended later are read.
             pos = offset + len(data)
             while True:
+                if pos - offset > MAX_LINE_BYTES:
+                    end_of_file = max(pos, os.fstat(f.fileno()).st_size)
+                    return [(None, end_of_file)], end_of_file
                 more = f.read(1 << 20)
                 if not more:
                     return out, offset

@@ -35,7 +35,7 @@ from typing import Sequence
 
 from .errors import BadInput
 
-__all__ = ["REPLAY_PATH_ENV", "add_replay_path", "UntrustedError", "check_owned", "check_chain",
+__all__ = ["REPLAY_PATH_ENV", "add_replay_path", "module_command", "UntrustedError", "check_owned", "check_chain",
            "untrusted_reason", "check_interpreter", "check_import_path", "ImportGuard", "install_import_guard"]
 
 
@@ -53,6 +53,22 @@ def add_replay_path(environ: dict[str, str] | None = None) -> list[str]:
         if e not in sys.path:
             sys.path.insert(0, e)
     return entries
+
+
+def module_command(module: str) -> list[str]:
+    """The command that runs ``module`` as ``python -m module`` would, minus the working directory.
+
+    ``python -m`` puts the working directory first on ``sys.path``: ``cd /tmp && sentineld start``
+    started the daemon (as root) with another user's ``/tmp/sentineld/__init__.py`` imported
+    instead of ours. This runs the same interpreter with ``-c``, whose ``''`` entry is dropped
+    before anything is imported; arguments appended to the list reach ``sys.argv[1:]``.
+    """
+    boot = ("import sys\n"
+            "if sys.path and sys.path[0] == '':\n"
+            "    del sys.path[0]  # the working directory: another user may write it\n"
+            "import runpy\n"
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
+    return [sys.executable, "-c", boot]
 
 
 class UntrustedError(BadInput):

@@ -25,6 +25,8 @@ from typing import Any, Mapping
 
 from sentineld.contracts.errors import BadInput
 from sentineld.contracts.rundir import default_runs_dir
+from sentineld.contracts.safeio import read_regular
+from sentineld.contracts.trust import untrusted_reason
 
 try:
     import tomllib
@@ -46,6 +48,10 @@ def default_state_dir() -> Path:
     import platformdirs  # noqa: PLC0415
 
     return Path(platformdirs.user_state_dir("sentineld"))
+
+
+#: Largest config file read (a config is a few hundred bytes; a [signatures] table a few KiB).
+MAX_CONFIG_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -159,11 +165,20 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
 
         candidate = Path(platformdirs.user_config_dir("sentineld")) / "config.toml"
         cfg_path = candidate if candidate.exists() else None
+    if cfg_path is not None and os.path.realpath(cfg_path) == os.devnull:
+        cfg_path = None  # `--config /dev/null`: no config file (a device, read as empty)
     if cfg_path is not None:
+        # The config names where alerts go (notify URLs: a webhook of hers would get every alert)
+        # and the dirs the daemon trusts: one another user could write is refused, as the code
+        # a run names is (contracts/trust.py). Read as a run file is: a regular file, bounded
+        # (a FIFO would block the start, /dev/zero never end).
+        why = untrusted_reason([Path(cfg_path)])
+        if why:
+            raise ConfigError(f"config file {cfg_path} could have been written by another user ({why.split(';')[0]}); "
+                              "keep it in a folder of yours, writable by you only (`chmod go-w`)")
         try:
-            with open(cfg_path, "rb") as f:
-                values.update(tomllib.load(f))
-        except OSError as exc:
+            values.update(tomllib.loads(read_regular(cfg_path, MAX_CONFIG_BYTES).decode()))
+        except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read config file {cfg_path}: {exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {cfg_path} is not valid TOML: {exc}") from None

@@ -184,11 +184,18 @@ class Notifier:
                 reason = c.message or "no exception recorded"
         except CaptureError as exc:
             reason = f"(capture unreadable: {exc})"
+        if rw.crash_paged:
+            # One page per run: a process dies once, and the other ranks' crash captures say the
+            # same; whoever can write a run dir could otherwise page for each file she makes.
+            log.info("run %s: another crash capture %s (rank %d, step %d; paged once per run): %s",
+                     rw.run_id, cap.name, rank, step, reason)
+            return
+        rw.crash_paged = True
         title = f"[sentineld] CRITICAL run {rw.run_id} crashed (rank {rank}) after step {step}"
         body = (f"The training process of run {rw.run_id} (rank {rank}) ended abnormally after step "
                 f"{step}: {reason}\nIts last steps are in {cap.name}; the step that raised was never "
                 f"completed, so replay the recorded ones: {replay_command(str(rw.run_dir), step)}\n")
-        self.enqueue(Notification(id=notification_id(rw.incident_scope, "crashed", cap.name), kind="alert",
+        self.enqueue(Notification(id=notification_id(rw.incident_scope, "crashed"), kind="alert",
                                   title=title, body=body, severity="critical", run=rw.run_id,
                                   signature="crashed", step=step, data={"rank": rank, "reason": reason}))
         self.am_extra(rw, "crashed", title, body, step, rank)

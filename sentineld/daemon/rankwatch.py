@@ -95,6 +95,8 @@ class RankWatch:
     _pending_replicas: ReplicaDivergence | None = None
     #: a fresh replica_divergence line was read since :meth:`take_replicas_news`
     _replicas_news: bool = False
+    # (size, mtime_ns) of the stream when a read found nothing new: not read again until it changes
+    _idle_at: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         self.records = deque(maxlen=self.window)
@@ -187,8 +189,15 @@ class RankWatch:
     def _read_file(self) -> list[tuple[dict[str, Any] | None, int]]:
         tail = self.tail
         try:
-            size = tail.path.stat().st_size
+            st = tail.path.stat()
         except FileNotFoundError:
+            tail.behind = False
+            return []
+        size = st.st_size
+        if (size, st.st_mtime_ns) == self._idle_at:
+            # Unchanged since a read that found no complete line: reading it again on every
+            # scan would cost up to MAX_LINE_BYTES per rank and second (a run can hold many
+            # streams ending in a partial line), all of it on the daemon's main loop.
             tail.behind = False
             return []
         if size < tail.offset:  # truncated or replaced: start over
@@ -196,6 +205,7 @@ class RankWatch:
             self._quiet_until = -1
         lines, offset = read_lines(tail.path, tail.offset, CHUNK_BYTES)
         tail.behind = offset != tail.offset and offset < size
+        self._idle_at = (size, st.st_mtime_ns) if offset == tail.offset and not lines else None
         tail.offset = offset
         return lines
 

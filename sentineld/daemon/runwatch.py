@@ -19,6 +19,7 @@ from typing import Any, Callable
 from sentineld.contracts.nonfinite import recovered_at
 from sentineld.contracts.records import StepRecord
 from sentineld.contracts.rundir import RunDir, RunDirError, RunMeta, list_captures, read_run_meta
+from sentineld.contracts.safeio import SafeDir
 from sentineld.daemon.rankwatch import AgentNote, RankWatch, as_int
 from sentineld.daemon.statedir import read_state_json, write_json_atomic
 
@@ -55,6 +56,7 @@ class RunWatch:
     meta_error: str | None = None
     notices: list[tuple[int, str, int, str]] = field(default_factory=list)  # (rank, kind, step, message)
     replaced: bool = False
+    crash_paged: bool = False  # a crash capture of this run was paged (one page per run)
     _meta_key: tuple[int, int, int] | None = None
 
     @property
@@ -176,6 +178,17 @@ class RunWatch:
         except RunDirError as exc:
             self.meta_error = str(exc)
             self._meta_key = key
+            return
+        if meta.run_id != self.run_dir.name:
+            # The agent names its run dir by the run id (or id.2, ...; it writes that into run.json),
+            # and a run dir is the only place the daemon knows a run by. A run.json naming another
+            # id would let whoever owns this dir speak for that run: her verdict naming "exp1" would
+            # pass the "names this run" check and go out as "replay of run exp1". Its stream is still
+            # alerted, as this dir's run; nothing is replayed or taken from it as a verdict.
+            self.meta_error = (f"{path}: run.json names run {meta.run_id[:80]!r}, but this run dir is "
+                               f"{self.run_dir.name!r}; a run is known by its directory's name (renamed? "
+                               "replay it by hand: sentineld replay <dir>)")
+            self._meta_key, self.meta = key, None
             return
         self._meta_key, self.meta_error = key, None
         if self.meta is not None and meta.started_s != self.meta.started_s:
@@ -319,11 +332,23 @@ def remove_stale_temps(rw: RunWatch) -> int:
     import socket  # noqa: PLC0415
 
     n = 0
-    for p in stale_temp_captures(rw, time.time(), socket.gethostname(), pid_alive):
-        try:
-            p.unlink()
-        except OSError:
-            continue
-        n += 1
-        log.info("run %s: removed %s, a capture its killed process never finished", rw.run_id, p.name)
+    stale = stale_temp_captures(rw, time.time(), socket.gethostname(), pid_alive)
+    if not stale:
+        return 0
+    try:
+        # Through the run dir's descriptor, never following a link: in a shared runs dir its owner
+        # can swap her run dir for a link to a folder of ours between the check and the unlink.
+        d = SafeDir.open(rw.run_dir)
+    except OSError:
+        return 0
+    with d:
+        for p in stale:
+            try:
+                if not stat.S_ISREG(d.lstat(p.name).st_mode):
+                    continue
+                os.unlink(p.name, dir_fd=d.fd)
+            except OSError:
+                continue
+            n += 1
+            log.info("run %s: removed %s, a capture its killed process never finished", rw.run_id, p.name)
     return n

@@ -232,7 +232,7 @@ class Daemon:
 
     def _process(self, run_dir: Path) -> None:
         try:
-            if not run_dir.is_dir():
+            if not run_dir.is_dir() or run_dir.is_symlink():  # a link is no run dir (DirtyRuns.scan)
                 return
         except OSError:
             return

@@ -56,16 +56,25 @@ def take_lock(state_dir: Path) -> FileLock:
     return lock
 
 
+def _bad_lock(state_dir: Path, exc: OSError) -> RunDirError:
+    """A lock file that is a link (``ELOOP``: filelock opens it ``O_NOFOLLOW``), a folder or not
+    ours to open: not one a daemon of ours made; said plainly instead of a traceback."""
+    return RunDirError(f"state dir {state_dir}: cannot open its lock {LOCK_NAME} ({exc.strerror or exc}); "
+                       "use a state dir of your own (--state-dir)")
+
+
 def daemon_pid(state_dir: Path) -> int | None:
     """Pid of the daemon holding ``state_dir``'s lock, or None when none runs (stale pidfile)."""
     lock = FileLock(str(state_dir / LOCK_NAME), mode=0o600)
     try:
         lock.acquire(timeout=0)
-    except Timeout:
+    except Timeout:  # (a TimeoutError, so an OSError: caught first)
         try:
             return int(read_regular(state_dir / PID_NAME, 64).strip())
         except (OSError, ValueError):
             return -1
+    except OSError as exc:
+        raise _bad_lock(state_dir, exc) from None
     lock.release()
     return None
 

@@ -48,7 +48,9 @@ class DirtyRuns:
     def scan(self) -> set[Path]:
         """Every run directory in the runs dir now (none when it cannot be listed: logged)."""
         try:
-            return {p for p in self.runs_dir.iterdir() if p.is_dir()}
+            # A symlink is no run dir (the agent makes real ones): in a shared runs dir it would let
+            # another user point the daemon at any folder (a private run of ours) under a name she picks.
+            return {p for p in self.runs_dir.iterdir() if p.is_dir() and not p.is_symlink()}
         except OSError as exc:
             log.warning("cannot list runs dir %s: %s", self.runs_dir, exc)
             return set()

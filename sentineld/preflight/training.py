@@ -7,11 +7,14 @@ Range testing: "too large causes divergence, too small makes loss crawl".
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from sentineld.contracts.safeio import write_atomic
 
 from .context import Probe
 from .result import FAIL, PASS, WARN, Check
@@ -141,9 +144,13 @@ def check_lr_range(probe: Probe, plot_path: str | Path | None = None) -> Check:
     best_i = min(range(len(losses)), key=losses.__getitem__) if losses else None
     diverged = lrs[-1] if lrs and lrs[-1] < lr_max * 0.99 else None
     path = Path(plot_path) if plot_path else Path.cwd() / "preflight-lr-range.png"
-    _plot(lrs, losses, suggested, user_lr, path)
+    plot: str | None = str(path)
+    try:
+        _plot(lrs, losses, suggested, user_lr, path)
+    except OSError as exc:  # unwritable, or a link / someone else's file there: the figures still count
+        plot = f"not written: {exc}"
     ev: dict[str, Any] = {"suggested_lr": suggested, "your_lr": user_lr, "diverges_at_lr": diverged,
-                          "min_loss_lr": lrs[best_i] if best_i is not None else None, "plot": str(path),
+                          "min_loss_lr": lrs[best_i] if best_i is not None else None, "plot": plot,
                           "points": len(lrs)}
     fix = f"use a learning rate near the suggested {suggested:.2g}" if suggested else ""
     if suggested is None:
@@ -178,5 +185,9 @@ def _plot(lrs: list[float], losses: list[float], suggested: float | None, user_l
         ax.set_ylim(low - 0.05 * abs(low), min(max(losses), 2 * losses[0]) * 1.05)
     ax.legend()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight")
+    buf = io.BytesIO()
+    fig.savefig(buf, format=path.suffix.lstrip(".").lower() or "png", bbox_inches="tight")
     plt.close(fig)
+    # The safe writer, not savefig(path): the default ./preflight-lr-range.png is a predictable
+    # name, and in a folder others may write (/tmp) savefig would write through her link there.
+    write_atomic(path, buf.getvalue(), mode=0o644, durable=False)

@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from sentineld.contracts.capture import CaptureError, open_capture, write_capture
+from sentineld.contracts.safeio import SafeDir
 from sentineld.contracts.triggers import REGRESS
 
 __all__ = ["write_fixture"]
 
 
-def write_fixture(capture: Path, out: Path, step: int | None = None) -> dict[str, Any]:
+def write_fixture(capture: Path, out: Path, step: int | None = None, at: SafeDir | None = None) -> dict[str, Any]:
     """Write the fixture of ``step`` (default: the capture's incident step) from ``capture``.
 
     Returns:
@@ -26,6 +27,8 @@ def write_fixture(capture: Path, out: Path, step: int | None = None) -> dict[str
         CaptureError: the capture is unreadable, or ``step`` is not among its replayable steps
             (the message lists them).
         OSError: ``out`` cannot be written.
+
+    ``at``: the opened folder of ``out`` to write it through (default: opened by path).
     """
     with open_capture(capture) as cap:
         n = cap.first_step if step is None else step
@@ -39,6 +42,6 @@ def write_fixture(capture: Path, out: Path, step: int | None = None) -> dict[str
         records = [r for r in cap.records() if isinstance(r, dict) and s <= r.get("step", -1) <= n]
         write_capture(out, run_id=cap.run_id, rank=cap.rank, trigger=REGRESS, first_step=n,
                       snapshot_step=s, snapshot=cap.snapshot(), steps=steps, records=records,
-                      message=f"regression fixture of step {n} from {capture.name}")
+                      message=f"regression fixture of step {n} from {capture.name}", at=at)
         return {"step": n, "snapshot_step": s, "rank": cap.rank, "run_id": cap.run_id,
-                "bytes": out.stat().st_size}
+                "bytes": (at.lstat(out.name) if at else out.stat()).st_size}

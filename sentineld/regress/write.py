@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from sentineld.contracts.rundir import RunDir, read_run_meta
+from sentineld.contracts.rundir import RunDir, RunMeta, read_run_meta
+from sentineld.contracts.safeio import SafeDir
 
 from .fixture import write_fixture
 from .template import render_test
@@ -108,9 +109,9 @@ def write_regression(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike
         ReplayError: no capture holds ``step``. CaptureError: it is not replayable from there.
         OSError: ``out_dir`` cannot be written.
     """
-    from sentineld.contracts.trust import check_owned  # noqa: PLC0415
+    from sentineld.contracts.trust import check_chain, check_owned  # noqa: PLC0415
     from sentineld.replay import find_capture  # noqa: PLC0415 - torch
-    from sentineld.replay.live_recipe import LIVE_RECIPE, recipe_of  # noqa: PLC0415
+    from sentineld.replay.live_recipe import recipe_of  # noqa: PLC0415
 
     run_dir = Path(run_dir)
     meta = read_run_meta(run_dir)
@@ -126,12 +127,26 @@ def write_regression(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike
             check_owned(f)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if not trust:
+        # pytest imports what sits next to the test (conftest.py, a module named like one the
+        # test imports): in a folder others may write (a sticky /tmp too) they could add one, or
+        # plant test_*.py as a link to a file of ours for this write to go through.
+        check_chain(out, leaf_allow_sticky=False)
+    with SafeDir.open(out, follow=True) as d:  # a folder the user named; every write below is relative to it
+        return _write_files(d, out, meta, recipe, args, cap, cwd, step)
+
+
+def _write_files(d: SafeDir, out: Path, meta: RunMeta, recipe: str, args: dict[str, Any], cap: Path,
+                 cwd: Path, step: int | None) -> Regression:
+    """Fixture, sidecar and test in ``d`` (the safe writer: no planted link or file is written through)."""
+    from sentineld.replay.live_recipe import LIVE_RECIPE  # noqa: PLC0415
+
     slug = _slug(meta.run_id)
-    probe = write_fixture(cap, out / ".sentineld-regress.h5", step)
+    probe = write_fixture(cap, out / ".sentineld-regress.h5", step, at=d)
     n = probe["step"]
     stem = f"sentineld_{slug}_step{n}"
     fixture = out / f"{stem}.h5"
-    os.replace(out / ".sentineld-regress.h5", fixture)
+    d.rename(".sentineld-regress.h5", fixture.name)
     if recipe == LIVE_RECIPE:
         args = _relative_scripts({k: v for k, v in args.items() if k != "root"}, cwd)
     sidecar = out / f"{stem}.json"
@@ -139,9 +154,9 @@ def write_regression(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike
             "snapshot_step": probe["snapshot_step"], "fixture": fixture.name, "recipe": recipe,
             "recipe_args": args, "code_root": os.path.relpath(cwd.resolve(), out.resolve()),
             "num_threads": meta.num_threads}
-    sidecar.write_text(json.dumps(side, indent=1, allow_nan=False) + "\n")
+    d.write(sidecar.name, json.dumps(side, indent=1, allow_nan=False) + "\n", mode=0o644, durable=False)
     test = out / f"test_{stem}.py"
-    test.write_text(render_test(sidecar.name))
+    d.write(test.name, render_test(sidecar.name), mode=0o644, durable=False)
     return Regression(test, fixture, n, probe["snapshot_step"], cap, _data_warning(fixture, n), sidecar)
 
 

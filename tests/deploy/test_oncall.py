@@ -34,6 +34,7 @@ from .helpers import DEPLOY, HttpSink, Server, free_port, http_json, wait_for
 from .test_alertmanager_config import AM_DIR, CONFIG, Mailbox
 
 PROM = DEPLOY / "prometheus"
+pytestmark = pytest.mark.slow  # real training processes, daemon, Prometheus, Alertmanager: ~80-110 s
 TRAIN = Path(__file__).with_name("oncall_train.py")
 NAN_AT_S = 6.0
 DURATION_S = 22.0

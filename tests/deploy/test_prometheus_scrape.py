@@ -21,6 +21,7 @@ import yaml
 from .helpers import DEPLOY, Server, dashboard, free_port, http_json, substitute, wait_for
 
 PROM = DEPLOY / "prometheus"
+pytestmark = pytest.mark.slow  # a real training run scraped by a real Prometheus: ~13 s
 HEALTHY_STEPS = 200
 NAN_STEPS = 20
 STEP_SLEEP_S = 0.015

@@ -13,7 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow  # the real demo: training, a daemon and a replay (~20 s)
 
 MARKER = "<!-- sentineld demo output: kept true by tests/e2e/test_demo_readme.py -->"
 

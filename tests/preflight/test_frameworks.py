@@ -161,6 +161,7 @@ CLI_MODULE = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # the real CLI in a subprocess, importing Lightning (~10-20 s)
 def test_cli_takes_a_lightning_module(tmp_path: Path) -> None:
     tmp_path.chmod(0o700)
     (tmp_path / "pfl_train.py").write_text(CLI_MODULE)

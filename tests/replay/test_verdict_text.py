@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 from tests.replay.conftest import train_zoo
 
@@ -20,6 +22,7 @@ def _replay(run_dir: Path) -> list[str]:
     return out.stdout.splitlines()
 
 
+@pytest.mark.slow  # two zoo runs trained, then two real `sentineld replay` processes (~15-30 s)
 def test_replay_text_counts_neginf_and_names_the_micro_batch(tmp_path: Path) -> None:
     runs = tmp_path / "zoo"
     train_zoo(runs, ["sigmoid_log", "accum_nan"])

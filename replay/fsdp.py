@@ -26,8 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from sentineld.contracts.capture import Capture
-from sentineld.contracts.dcpstate import (checkpoint_bytes, dcp_errors, describe_dcp_error, fill_sharded,
-                                         load_consolidated, placeholders)
+from sentineld.contracts.dcpstate import (
+    checkpoint_bytes,
+    dcp_errors,
+    describe_dcp_error,
+    fill_sharded,
+    load_consolidated,
+    placeholders,
+)
 
 from .errors import ReplayError
 

@@ -420,7 +420,7 @@ def _main(argv: list[str]) -> int:
         dist.barrier()
         dist.destroy_process_group()
         return 0
-    except BaseException as exc:  # noqa: BLE001 - every rank's failure is the launcher's message
+    except BaseException as exc:  # every rank's failure is the launcher's message (DCP's is no Exception)
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         from sentineld.contracts.dcpstate import describe_dcp_error  # noqa: PLC0415

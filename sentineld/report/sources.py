@@ -9,7 +9,6 @@ here writes to either directory.
 from __future__ import annotations
 
 import errno
-
 import logging
 from dataclasses import asdict
 from pathlib import Path

@@ -35,7 +35,7 @@ def run_compiled(meta: RunMeta) -> bool:
     if isinstance(top, bool):
         return top
     extra = meta.extra if isinstance(meta.extra, dict) else {}
-    return bool(extra.get("compiled", False))
+    return extra.get("compiled") is True  # as the verdict's check (engine._compiled): "yes", "false" are not
 
 
 def run_grad_norms(run_dir: Path, rank: int, engine: Engine, before: int) -> list[float]:

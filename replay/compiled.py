@@ -134,7 +134,10 @@ def compiled_rerun(cap_path: Path, run_dir: Path, recipe: str | None, trust: boo
         ``repro_note`` saying plainly why there is none; ``"error"`` when the re-run itself
         failed (never raises).
     """
-    out: dict[str, Any] = {"backend": backend or "inductor"}
+    out: dict[str, Any] = {"backend": backend if isinstance(backend, str) and backend.strip() else "inductor"}
+    if backend is not None and out["backend"] != backend:  # a hand-edited run.json: 5, "", a list
+        out["backend_note"] = (f"run.json's extra.compile_backend is {backend!r}, not a torch.compile backend name; "
+                               "re-ran with inductor (write the backend the run compiled with there to re-run that)")
     outdir = cap_path.with_suffix(".minifier")
     try:
         outdir.mkdir(mode=0o700, exist_ok=True)
@@ -177,13 +180,17 @@ def _repro_note(out: dict[str, Any], step: int) -> str:
                      "compiled with different draws, so its check fails on such a graph whatever the compiler "
                      "does: compare the values, not only the verdict")
         return note
+    if "error" in out and "InvalidBackend" in out["error"]:
+        return (f"no repro: the run's backend {out['backend']!r} (run.json's extra.compile_backend) is not one this "
+                "torch has (torch._dynamo.list_backends() names them); write the backend the run compiled with "
+                "there, or inductor, and replay again")
+    if "error" in out:
+        return f"no repro: the compiled re-run failed ({out['error']})"
     if out["backend"] != "inductor":
         return (f"no repro: torch's accuracy minifier (TORCHDYNAMO_REPRO_LEVEL=4) checks inductor graphs only "
                 f"(torch: 'Accuracy minification is supported for inductor only'); the run's backend "
                 f"{out['backend']} is not wrapped by it. Re-run step {step} compiled with inductor to check "
                 "that compiler")
-    if "error" in out:
-        return f"no repro: the compiled re-run failed ({out['error']})"
     if not out.get("nonfinite"):
         return (f"no repro: the compiled re-run of step {step} from the captured state and batch is finite too, so "
                 "the fault did not come from the compiled graph on those inputs (a transient, or something the "

@@ -84,7 +84,22 @@ def rank_captures(run_dir: Path, world: int, step: int | None, capture: Path | N
         with contextlib.suppress(CaptureError, OSError), open_capture(path) as cap:
             if target in cap.steps and cap.snapshot_step <= target:
                 found[r] = path
+    if not found and step is not None:  # no rank holds it: a step outside the captures, not files left behind
+        raise DdpReplayError(_no_capture_holds(run_dir, step, caps))
     return {r: found[r] for r in sorted(found)}, [r for r in range(world) if r not in found], target
+
+
+def _no_capture_holds(run_dir: Path, step: int, caps: list[tuple[int, int, str, Path]]) -> str:
+    """The message for ``--step`` that no capture of the run holds (names the steps they do hold)."""
+    spans: set[tuple[int, int]] = set()
+    for _r, _n, _t, path in caps:
+        with contextlib.suppress(CaptureError, OSError), open_capture(path) as cap:
+            if cap.steps:
+                spans.add((max(cap.snapshot_step, int(cap.steps[0])), int(cap.steps[-1])))
+    held = ", ".join(f"{a}..{b}" for a, b in sorted(spans)) or "none readable"
+    return (f"{run_dir.name}: no capture holds step {step} (a capture replays the steps from its snapshot to its "
+            f"last recorded step; this run's captures hold steps {held}); pass --step within those, or omit "
+            "--step for the first non-finite step")
 
 
 def missing_ranks_error(run_dir: Path, world: int, step: int, found: dict[int, Path],

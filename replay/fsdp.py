@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from sentineld.contracts.capture import Capture
-from sentineld.contracts.dcpstate import checkpoint_bytes, fill_sharded, load_consolidated, placeholders
+from sentineld.contracts.dcpstate import (
+    checkpoint_bytes,
+    dcp_errors,
+    describe_dcp_error,
+    fill_sharded,
+    load_consolidated,
+    placeholders,
+)
 
 from .errors import ReplayError
 
@@ -70,8 +77,8 @@ def consolidated_snapshot(cap: Capture, snapshot: dict[str, Any],
     t0 = time.perf_counter()
     try:
         need = checkpoint_bytes(path)
-    except Exception as exc:  # noqa: BLE001 - DCP's reader on a damaged .metadata
-        raise ReplayError(f"{path}: the DCP checkpoint cannot be read ({type(exc).__name__}: {exc})") from None
+    except dcp_errors() as exc:  # DCP's reader on a damaged .metadata
+        raise ReplayError(damaged_checkpoint(path, ".metadata", exc)) from None
     free = available_bytes() if available is None else available
     if need * HEADROOM > free:
         world = len(list(path.glob("__*_0.distcp"))) or "N"  # one shard file per rank that wrote it
@@ -83,8 +90,8 @@ def consolidated_snapshot(cap: Capture, snapshot: dict[str, Any],
         whole = fill_sharded(snapshot, values)
     except KeyError as exc:
         raise ReplayError(f"{path}: {exc.args[0]}; the checkpoint belongs to another capture") from None
-    except Exception as exc:  # noqa: BLE001 - DCP on damaged shard files
-        raise ReplayError(f"{path}: the DCP checkpoint cannot be loaded ({type(exc).__name__}: {exc})") from None
+    except dcp_errors() as exc:  # DCP on damaged shard files (CheckpointException is no Exception)
+        raise ReplayError(damaged_checkpoint(path, "shard files", exc)) from None
     evidence = {
         "state": "consolidated", "checkpoint": str(path), "sharded_tensors": len(placeholders(snapshot)),
         "consolidated_bytes": need, "host_available_bytes": free, "load_s": round(time.perf_counter() - t0, 4),
@@ -93,6 +100,13 @@ def consolidated_snapshot(cap: Capture, snapshot: dict[str, Any],
                  "does. Buffers are rank 0's (FSDP does not broadcast them)"),
     }
     return whole, evidence
+
+
+def damaged_checkpoint(path: Path, part: str, exc: BaseException) -> str:
+    """The message for a DCP checkpoint whose ``part`` (".metadata", "shard files") DCP cannot read."""
+    return (f"{path}: the DCP checkpoint's {part} cannot be read ({describe_dcp_error(exc)}); a file in it is "
+            f"truncated or not the one the run wrote: copy the whole {path.name}/ directory again from the run's "
+            "directory (every __<rank>_0.distcp and .metadata), or replay another capture with --capture")
 
 
 def sharded_dir(cap: Capture) -> Path | None:

@@ -201,20 +201,27 @@ def _load_sharded(rec: Any, cap: Any, snapshot: dict[str, Any]) -> dict[str, Any
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
 
-    from sentineld.contracts.dcpstate import fill_sharded, placeholders  # noqa: PLC0415
+    from sentineld.contracts.dcpstate import dcp_errors, fill_sharded, placeholders  # noqa: PLC0415
 
+    from .fsdp import damaged_checkpoint  # noqa: PLC0415
     from .rebuild import load_snapshot  # noqa: PLC0415
 
     t0 = time.perf_counter()
     path = cap.path.parent / (cap.sharded_state or "")
     if not cap.sharded_state or not (path / ".metadata").is_file():
-        raise ReplayError(f"{cap.path.name}: its DCP checkpoint {cap.sharded_state or '(none named)'} is missing; "
-                          "copy the whole .dcp/ directory next to the captures")
+        what = ("is missing" if not path.exists() else "is not a directory" if not path.is_dir()
+                else "has no .metadata (incomplete)")
+        raise ReplayError(f"{cap.path.name}: its DCP checkpoint {cap.sharded_state or '(none named)'} {what} in "
+                          f"{cap.path.parent}; copy the whole {cap.sharded_state or '.dcp'}/ directory next to the "
+                          "captures")
     params = dict(rec.model.named_parameters())
     order = [p for g in rec.optimizer.param_groups for p in g["params"]]  # state_dict()'s numbering
-    dtypes = {k: md.properties.dtype for k, md in
-              dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
-              if isinstance(md, TensorStorageMetadata)}
+    try:
+        dtypes = {k: md.properties.dtype for k, md in
+                  dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+                  if isinstance(md, TensorStorageMetadata)}
+    except dcp_errors() as exc:  # a damaged .metadata
+        raise ReplayError(damaged_checkpoint(path, ".metadata", exc)) from None
     templates: dict[str, Any] = {}
     for key in placeholders(snapshot):
         parts = key.split("/")
@@ -230,8 +237,8 @@ def _load_sharded(rec: Any, cap: Any, snapshot: dict[str, Any]) -> dict[str, Any
         templates[key] = torch.empty_like(like.detach(), dtype=dtypes.get(key, like.dtype))
     try:
         dcp.load(templates, checkpoint_id=str(path))
-    except Exception as exc:  # noqa: BLE001 - DCP on damaged or foreign shard files
-        raise ReplayError(f"{path}: the DCP checkpoint cannot be loaded ({type(exc).__name__}: {exc})") from None
+    except dcp_errors() as exc:  # damaged or foreign shard files (CheckpointException is no Exception)
+        raise ReplayError(damaged_checkpoint(path, "shard files", exc)) from None
     load_snapshot(rec, fill_sharded(snapshot, templates))
     return {"checkpoint": str(path), "sharded_tensors": len(templates), "load_s": round(time.perf_counter() - t0, 4)}
 
@@ -413,8 +420,13 @@ def _main(argv: list[str]) -> int:
         dist.barrier()
         dist.destroy_process_group()
         return 0
-    except (BadInput, Exception) as exc:  # noqa: BLE001 - every rank's failure is the launcher's message
-        msg = str(exc) if isinstance(exc, BadInput) else f"{type(exc).__name__}: {exc}"
+    except BaseException as exc:  # every rank's failure is the launcher's message (DCP's is no Exception)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        from sentineld.contracts.dcpstate import describe_dcp_error  # noqa: PLC0415
+
+        # DCP's CheckpointException is a BaseException whose str is every rank's traceback.
+        msg = str(exc) if isinstance(exc, BadInput) else describe_dcp_error(exc)
         (out / f"error-rank{rank}.txt").write_text(msg[:4000])
         return 2
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 __all__ = ["PLACEHOLDER", "SHARDED_ATTR", "dcp_dir_name", "split_sharded", "placeholders",
-           "fill_sharded", "checkpoint_bytes", "load_consolidated"]
+           "fill_sharded", "checkpoint_bytes", "load_consolidated", "dcp_errors", "describe_dcp_error"]
 
 #: The key of a placeholder leaf in a capture's snapshot tree.
 PLACEHOLDER = "__dcp__"
@@ -120,6 +120,35 @@ def fill_sharded(tree: Any, values: Mapping[str, Any]) -> Any:
         return x
 
     return fill(tree)
+
+
+def dcp_errors() -> tuple[type[BaseException], ...]:
+    """What DCP raises on a damaged or foreign checkpoint, for an ``except`` clause.
+
+    Its ``CheckpointException`` (a shard that failed to read on some rank: truncated, replaced)
+    derives from ``BaseException``, so ``except Exception`` lets it through as a traceback.
+    """
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException  # noqa: PLC0415
+    except ImportError:  # a torch built without distributed: only Exception can come
+        return (Exception,)
+    return (Exception, CheckpointException)
+
+
+def describe_dcp_error(exc: BaseException) -> str:
+    """``exc`` in one line: for DCP's ``CheckpointException``, each failing rank's own error
+    (its ``str`` is every rank's whole traceback), else ``Type: message``. At most 500 characters."""
+    def line(e: BaseException) -> str:  # torch.load's unpickler errors run to a page: the first line says it
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+        return f"{type(e).__name__}: {first[:200]}".rstrip(": ")
+
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        text = "; ".join(f"rank {rank}: {line(pair[0] if isinstance(pair, tuple) and pair else pair)}"
+                         for rank, pair in sorted(failures.items()))
+    else:
+        text = line(exc)
+    return text[:500]
 
 
 def _metadata(path: Path) -> Any:

@@ -119,7 +119,7 @@ def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
     Raises:
         TypeError, ValueError: ``batches`` is not an iterable of at least one batch, or the model
             and optimizer cannot be deep-copied; ``optimizer`` or ``loss_fn`` is None for a model
-            that is not a LightningModule or a transformers model.
+            that is not a LightningModule or a transformers model; ``loss_fn`` returned no tensor.
     """
     if batches is None:
         raise TypeError("batches must be an iterable of batches, got NoneType (a DataLoader, a list)")
@@ -136,6 +136,11 @@ def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
                       slice_batch(taken[0], overfit_samples), num_classes, split or split_batch)
         model_copy, _ = probe.fresh()
         partial = trace_forward(model_copy, probe.loss_fn, probe.batch)
+        if partial.error is None and not isinstance(partial.loss, torch.Tensor):
+            # Every check would fail on it with an AttributeError ('str' has no 'backward') naming no cause.
+            raise TypeError(f"loss_fn returned {type(partial.loss).__name__}, not a tensor; it must return the "
+                            "loss as a scalar tensor (e.g. F.cross_entropy(model(x), y)), as attach(loss_fn=) "
+                            "and the replay expect")
         info = loss_info(partial)  # read even off a trace that raised: the labels check needs it
         trace = partial.error if partial.error is not None else partial
         if probe.num_classes is None:

@@ -174,6 +174,21 @@ def _verdict(r: ReportData, plots: list[str]) -> str:
     return "".join(out)
 
 
+def _verdict_or_note(r: ReportData, plots: list[str]) -> str:
+    """:func:`_verdict`, or a note when a field of the verdict has a type the page cannot show (a
+    hand-edited or foreign verdict file: ``"what_if": 7``): the rest of the page is still written."""
+    shown: list[str] = []  # its plots are listed only when the section is written
+    try:
+        html = _verdict(r, shown)
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:
+        return ("<h2>Replay verdict</h2>" + _missing(
+            f"the verdict cannot be shown: a field has the wrong type ({type(exc).__name__}: {str(exc)[:200]}); it is "
+            f"not a verdict sentineld wrote. Replay again for a fresh one: sentineld replay {r.run_dir} --json "
+            "(or sentineld report RUN --replay)"))
+    plots += shown
+    return html
+
+
 def _float(x: Any) -> float:
     try:
         return float(x)  # the replay's strict JSON writes NaN as the string "nan"
@@ -193,7 +208,7 @@ def render_html(r: ReportData) -> str:
                              "red line: capture (incident); orange dashed: alert; red cross: non-finite value"))
     else:
         parts.append(_missing("no step records: nothing to plot"))
-    parts += [_layers(r, plots), _tensors(r, plots), _alerts(r, plots), _verdict(r, plots)]
+    parts += [_layers(r, plots), _tensors(r, plots), _alerts(r, plots), _verdict_or_note(r, plots)]
     when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<meta name=\"sentineld-plots\" content=\"{','.join(plots)}\">"

@@ -8,6 +8,7 @@ here writes to either directory.
 
 from __future__ import annotations
 
+import errno
 import logging
 from dataclasses import asdict
 from pathlib import Path
@@ -74,11 +75,18 @@ def read_verdict(path: Path) -> dict[str, Any]:
     """A verdict file: ``sentineld replay --json`` output or a daemon ``replays/*.json`` record.
 
     Raises:
-        ValueError: the file is not JSON or holds no verdict (the message says what it expected).
+        ValueError: the file is not JSON, is larger than ``MAX_VERDICT_FILE_BYTES``, or holds no
+            verdict (the message says what it expected).
         OSError: it cannot be read.
     """
     try:
         obj = read_json(path, MAX_VERDICT_FILE_BYTES)
+    except OSError as exc:
+        if exc.errno != errno.EFBIG:
+            raise
+        # Not "cannot write the report": the command reports an OSError as the page's own write failing.
+        raise ValueError(f"{exc.strerror}; a verdict is a few KiB: pass the JSON of `sentineld replay "
+                         "--json` or a daemon replays/*.json record") from None
     except UnicodeDecodeError:  # a binary file (an .h5 capture given by mistake): name it
         raise ValueError(f"{path}: not a verdict (a binary file, not JSON text); pass the JSON of "
                          "`sentineld replay --json` or a daemon replays/*.json record") from None

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from sentineld.contracts.capture import CaptureStep, write_capture
+from sentineld.contracts.dcpstate import dcp_errors
 from sentineld.contracts.records import AGENT_WARNING, AgentNotice
 from sentineld.contracts.rundir import RunDir
 from sentineld.contracts.stream import StreamWriter
@@ -92,7 +93,9 @@ class CaptureWriter:
                 steps=[CaptureStep(e.step, e.batch, e.rng) for e in entries],
                 records=[e.record for e in entries if e.record is not None],
                 message=message, forward_calls=self.localizer.calls_for(entries) if self.localizer else None)
-        except Exception as exc:  # noqa: BLE001 - disk full etc.: training goes on
+        # DCP's CheckpointException (a peer's save failed) is a BaseException: without it the
+        # capture thread died with a traceback, no notice in the stream.
+        except dcp_errors() as exc:  # disk full etc.: training goes on
             log.warning("sentineld: capture %s not written: %s (training continues)", path.name, exc)
             self.stream.put(AgentNotice(AGENT_WARNING, f"capture not written: {exc}", step).to_json(), urgent=True)
             return

@@ -15,6 +15,7 @@ judges that run with :func:`run_signature_config` (docs/signatures.md).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
@@ -164,5 +165,9 @@ def _coerce(path: str, annotation: str, default: Any, value: Any) -> Any:
     if "float" in annotation:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"signature config {path} must be a number, got {value!r}")
+        if not math.isfinite(value):  # a NaN threshold compares false: it silently turned the signature off
+            sig = path.split(".")[0]
+            raise ValueError(f"signature config {path} must be a finite number, got {value!r}; to turn "
+                             f"the signature off pass {{'{sig}': {{'enabled': False}}}}")
         return float(value)
     return value

@@ -247,9 +247,6 @@ def test_report_with_a_huge_verdict_file_says_what_a_verdict_is(plain_run: Path,
 # --- attach(signatures=...) -----------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="NaN/inf thresholds pass attach and silently disable the signature; the "
-                                       "fix belongs in sentineld/signatures/signature_config.py _coerce (spike's "
-                                       "files), see the badin report")
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_attach_rejects_a_non_finite_signature_threshold(value: float) -> None:
     from sentineld.agent.wiring import check_signatures  # noqa: PLC0415

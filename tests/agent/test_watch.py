@@ -276,3 +276,25 @@ def test_per_layer_norms_stay_exported_after_an_activations_only_sample(tmp_path
         assert float(line.split()[-1]) == pytest.approx(recs[8]["layers"][module]["grad_norm"], rel=1e-6)
     dead = next(x for x in body.splitlines() if x.startswith(f'sentineld_layer_dead_ratio{{host="{host}",module="1",'))
     assert float(dead.split()[-1]) == pytest.approx(recs[11]["layers"]["1"]["dead_fraction"])
+
+
+def test_a_failed_sharded_checkpoint_is_a_notice_not_a_dead_capture_thread(tmp_path):
+    """DCP's CheckpointException (a peer's dcp.save failed) derives from BaseException: the
+    capture thread's ``except Exception`` let it through, the thread died with a traceback and
+    the stream said nothing (found reading agent/capturer.py). Now: training goes on, the capture
+    is absent and the stream carries the agent's warning."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    class FailingSaver:  # stands in for agent/sharded.py's saver: no second rank can run here
+        def save(self, *args, **kwargs):
+            raise CheckpointException("save failed on rank 1", {1: (OSError("peer disk full"), None)})
+
+    m, o = _model()
+    watch = attach(m, o, run_id="dcpfail", runs_dir=tmp_path, metrics_port=0, post_steps=0)
+    watch._writer.sharded = FailingSaver()
+    losses = _train(m, o, watch, 6, nan_at={3})
+    watch.close()
+    assert len(losses) == 6
+    assert not list(watch.run_dir.glob("capture-*.h5"))
+    notes = [r for r in _stream(watch) if r["kind"] == "agent_warning"]
+    assert any("capture not written" in r["message"] for r in notes), notes

@@ -427,7 +427,11 @@ def open_capture(path: str | os.PathLike[str]) -> Capture:
             raise CaptureError(f"{path}: capture is damaged ({type(exc).__name__}: {exc})") from None
         if not has_groups:
             raise CaptureError(f"{path}: capture lacks its snapshot or steps group; it is damaged")
-        out = _reaches_out(f)
+        try:
+            out = _reaches_out(f)
+        except Exception as exc:  # noqa: BLE001 - h5py raises RuntimeError on a damaged link table
+            raise CaptureError(f"{path}: capture is damaged ({type(exc).__name__}: {exc}); use another "
+                               "capture of this run") from None
         if out:
             raise CaptureError(f"{path}: {out}; sentineld writes self-contained captures, so this one "
                                "was crafted: it is not read (HDF5 would open that file: a FIFO there "

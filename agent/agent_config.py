@@ -34,7 +34,7 @@ class AgentConfig:
         flush_s: seconds between stream writes (the most SIGKILL can lose).
         layer_every: steps between per-layer samples (activations, per-layer norms, update
             ratios) once the run is past its first steps, which are sampled densely (every step,
-            then gaps doubling up to this: ``sentineld.agent.probes.sampled_at``); 0 = off.
+            then gaps doubling up to this: ``sentineld.agent.sampling.sampled_at``); 0 = off.
             Measured cost in bench/probes_cost.py and bench/activation_probe_cost.py.
         rearm_steps: finite steps after an incident before another capture may be written
             (one capture per incident, not one per step). Default

@@ -204,20 +204,10 @@ def test_preflight_loss_fn_returning_no_tensor_is_bad_input(project: Any, fn: st
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished single-process run (4 finite steps, no capture)."""
-    from sentineld.agent import attach  # noqa: PLC0415
-    from tests.e2e.ddp_model import batch_for, loss_fn, make_recipe  # noqa: PLC0415
+    from tests.e2e.ddp_model import train_one_process  # noqa: PLC0415
 
     runs = tmp_path_factory.mktemp("badin-report")
-    rec = make_recipe()
-    watch = attach(rec.model, rec.optimizer, run_id="plain", runs_dir=runs, metrics_port=0, layer_every=0)
-    for step in range(4):
-        batch = batch_for(0, step, None, 0, 0)
-        rec.optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(rec.model, batch)
-        loss.backward()
-        rec.optimizer.step()
-        watch.step(loss, batch=batch)
-    watch.close()
+    train_one_process(runs, "plain")
     return runs / "plain"
 
 

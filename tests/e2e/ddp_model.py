@@ -85,3 +85,26 @@ def batch_for(rank: int, step: int, fault: str | None, fault_rank: int, fault_st
         else:
             x[sample] = 3e38 if fault == "forward" else 0.0
     return x, y, w
+
+
+def train_one_process(runs_dir: Any, run_id: str, fault: str | None = None, fault_step: int = 2, steps: int = 4,
+                      **attach_kw: Any) -> Any:
+    """A single-process run of this model watched by the real agent: ``steps`` optimizer steps of
+    rank 0's batches, ``fault`` planted at ``fault_step`` (:func:`batch_for`); ``attach_kw`` go to
+    ``attach`` (``metrics_port=0, layer_every=0`` unless given). Returns the run dir."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from sentineld.agent import attach  # noqa: PLC0415
+
+    rec = make_recipe()
+    watch = attach(rec.model, rec.optimizer, run_id=run_id, runs_dir=runs_dir,
+                   **{"metrics_port": 0, "layer_every": 0, **attach_kw})
+    for step in range(steps):
+        batch = batch_for(0, step, fault, 0, fault_step)
+        rec.optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(rec.model, batch)
+        loss.backward()
+        rec.optimizer.step()
+        watch.step(loss, batch=batch)
+    watch.close()
+    return Path(runs_dir) / run_id

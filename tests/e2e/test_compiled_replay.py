@@ -23,7 +23,7 @@ import torch
 from sentineld.agent import attach
 from sentineld.contracts.rundir import list_captures
 from sentineld.replay.engine import replay_run
-from tests.e2e.ddp_model import batch_for, loss_fn, make_recipe
+from tests.e2e.ddp_model import batch_for, loss_fn, make_recipe, train_one_process
 from tests.e2e.test_ddp_replay import EXPECTED, FAULT_STEP, SNAPSHOT, STEPS
 
 BACKEND = os.environ.get("SENTINELD_TEST_COMPILE_BACKEND", "aot_eager")
@@ -171,17 +171,7 @@ def _check_bug_report(report: Any) -> None:
 
 def test_eager_run_verdict_says_not_compiled(tmp_path: Path) -> None:
     """The fields' eager side: an eager run's verdict has ``compiled`` false and no ``eager_reproduced``."""
-    rec = make_recipe()
-    watch = attach(rec.model, rec.optimizer, run_id="eager", runs_dir=tmp_path, metrics_port=0, snapshot_every=2,
-                   layer_every=0, recipe="tests.e2e.ddp_model:make_recipe")
-    for step in range(4):
-        batch = batch_for(0, step, "forward", 0, 2)
-        rec.optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(rec.model, batch)
-        loss.backward()
-        rec.optimizer.step()
-        watch.step(loss, batch=batch)
-    watch.close()
+    train_one_process(tmp_path, "eager", "forward", snapshot_every=2, recipe="tests.e2e.ddp_model:make_recipe")
     assert json.loads((tmp_path / "eager" / "run.json").read_text())["extra"]["compiled"] is False
     report = replay_run(tmp_path / "eager")
     assert (report.phase, report.compiled, report.eager_reproduced) == ("forward", False, None)

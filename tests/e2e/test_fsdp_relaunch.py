@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from sentineld.agent import attach
 from sentineld.replay.engine import replay_run
 from sentineld.replay.errors import ReplayError
 from sentineld.replay.fsdp_relaunch import combine, relaunch
 from tests.conftest import REPO
-from tests.e2e.ddp_model import batch_for, loss_fn, make_recipe
+from tests.e2e.ddp_model import train_one_process
 from tests.e2e.test_ddp_replay import EXPECTED, FAULT_STEP, SNAPSHOT, STEPS
 from tests.e2e.test_fsdp_replay import TRAIN
 
@@ -94,17 +93,7 @@ def test_relaunch_text_verdict_and_bad_world_sizes(runs: Path) -> None:
 
 
 def test_relaunch_of_an_unsharded_run_says_to_omit_world_size(tmp_path: Path) -> None:
-    rec = make_recipe()
-    watch = attach(rec.model, rec.optimizer, run_id="plain", runs_dir=tmp_path, metrics_port=0, snapshot_every=2,
-                   layer_every=0, recipe="tests.e2e.ddp_model:make_recipe")
-    for step in range(4):
-        batch = batch_for(0, step, "forward", 0, 2)
-        rec.optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(rec.model, batch)
-        loss.backward()
-        rec.optimizer.step()
-        watch.step(loss, batch=batch)
-    watch.close()
+    train_one_process(tmp_path, "plain", "forward", snapshot_every=2, recipe="tests.e2e.ddp_model:make_recipe")
     with pytest.raises(ReplayError, match="is not sharded .* omit --world-size"):
         relaunch(tmp_path / "plain", 1)
     assert replay_run(tmp_path / "plain").replayed_as is None  # only a sharded run's verdict says how

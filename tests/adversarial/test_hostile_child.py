@@ -18,7 +18,8 @@ import sys
 import pytest
 
 from tests.regress import lossfn_project as lp
-from tests.reliability.test_trust_users import as_mallory, mallory, shared  # noqa: F401 - fixtures
+from tests.reliability.test_trust_users import (  # noqa: F401 - fixtures
+    as_mallory, mallory, plant_package, public_dir, shared)
 
 pytestmark = [pytest.mark.slow,  # real training with its localization child
               pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root (CI runs as root)")]
@@ -28,12 +29,9 @@ def test_the_localization_child_never_imports_from_the_working_directory(mallory
     project = lp.write_project(tmp_path / "project")
     runs = tmp_path / "runs"
     runs.mkdir(mode=0o700)
-    pub = shared / "pub"
-    pub.mkdir()
-    pub.chmod(0o1777)
+    pub = public_dir(shared)
     marker = shared / "ran"
-    as_mallory(mallory, f"mkdir {pub}/sentineld && printf 'import pathlib\\npathlib.Path(\"{marker}\")"
-                        f".write_text(\"ran\")\\n' > {pub}/sentineld/__init__.py")
+    plant_package(mallory, pub, marker)
     r = subprocess.run([sys.executable, str(project / "train.py"), str(runs), "cwd"], cwd=pub, capture_output=True,
                        text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "CLOSE_WAIT_S": "60"})
     assert r.returncode == 0, r.stderr

@@ -16,19 +16,17 @@ import sys
 
 import pytest
 
-from tests.reliability.test_trust_users import as_mallory, mallory, shared  # noqa: F401 - fixtures
+from tests.reliability.test_trust_users import (  # noqa: F401 - fixtures
+    as_mallory, mallory, plant_package, public_dir, shared)
 
 pytestmark = [pytest.mark.slow,  # a real daemon
               pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root (CI runs as root)")]
 
 
 def test_start_from_a_folder_she_can_write_never_imports_her_package(mallory, shared, tmp_path):  # noqa: F811
-    pub = shared / "pub"
-    pub.mkdir()
-    pub.chmod(0o1777)
+    pub = public_dir(shared)
     marker = shared / "ran"
-    as_mallory(mallory, f"mkdir {pub}/sentineld && printf 'import pathlib\\npathlib.Path(\"{marker}\")"
-                        f".write_text(\"ran\")\\n' > {pub}/sentineld/__init__.py")
+    plant_package(mallory, pub, marker)
     sentineld = [sys.executable, "-c", "import sys; del sys.path[0]; from sentineld.cli import main; main()"]
     state = tmp_path / "state"
     try:

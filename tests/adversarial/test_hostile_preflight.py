@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.preflight.test_cli import MODULE, SENTINELD
-from tests.reliability.test_trust_users import as_mallory, mallory, shared  # noqa: F401 - fixtures
+from tests.reliability.test_trust_users import (  # noqa: F401 - fixtures
+    as_mallory, mallory, precious_file, public_dir, shared)
 
 pytestmark = [pytest.mark.slow,  # a real LR sweep in a subprocess
               pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root (CI runs as root)")]
@@ -29,12 +30,8 @@ PRECIOUS = b"root's own file: never to be overwritten\n"
 def test_the_lr_plot_never_goes_through_her_link(mallory, shared, tmp_path):  # noqa: F811
     tmp_path.chmod(0o700)
     (tmp_path / "pftrain.py").write_text(MODULE)
-    pub = shared / "pub"
-    pub.mkdir()
-    pub.chmod(0o1777)
-    precious = shared / "precious"
-    precious.write_bytes(PRECIOUS)
-    precious.chmod(0o644)
+    pub = public_dir(shared)
+    precious = precious_file(shared, PRECIOUS)
     as_mallory(mallory, f"ln -s {precious} {pub}/lr.png")
     r = subprocess.run([str(SENTINELD), "preflight", "pftrain:make_recipe", "--data", "pftrain:data", "--json",
                         "--lr-range", "--lr-plot", str(pub / "lr.png")], cwd=tmp_path, capture_output=True,

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.reliability.test_trust_users import as_mallory, mallory, shared  # noqa: F401 - fixtures
+from tests.reliability.test_trust_users import (  # noqa: F401 - fixtures
+    as_mallory, mallory, precious_file, public_dir, shared)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root (CI runs as root)")
 
@@ -33,12 +34,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _her_state_dir(mallory, shared: Path, link: str) -> tuple[Path, Path]:  # noqa: F811, ANN001
-    pub = shared / "pub"
-    pub.mkdir()
-    pub.chmod(0o1777)
-    precious = shared / "precious"
-    precious.write_bytes(PRECIOUS)
-    precious.chmod(0o644)
+    pub = public_dir(shared)
+    precious = precious_file(shared, PRECIOUS)
     state = pub / "sentineld-state"
     as_mallory(mallory, f"mkdir -m 777 {state} && ln -s {precious} {state}/{link}")
     return state, precious

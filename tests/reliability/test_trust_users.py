@@ -82,6 +82,28 @@ def as_mallory(mallory: pwd.struct_passwd, script: str) -> None:
                    group=mallory.pw_gid, cwd="/", timeout=30)
 
 
+def public_dir(shared: Path) -> Path:
+    """``shared/pub``, a sticky world-writable folder (as /tmp is) for her to plant files in."""
+    pub = shared / "pub"
+    pub.mkdir()
+    pub.chmod(0o1777)
+    return pub
+
+
+def precious_file(shared: Path, content: bytes) -> Path:
+    """A file of ours (0644) she must never get written: ``shared/precious``."""
+    precious = shared / "precious"
+    precious.write_bytes(content)
+    precious.chmod(0o644)
+    return precious
+
+
+def plant_package(mallory: pwd.struct_passwd, where: Path, marker: Path) -> None:
+    """Her ``sentineld`` package in ``where``: importing it writes ``marker``."""
+    as_mallory(mallory, f"mkdir {where}/sentineld && printf 'import pathlib\\npathlib.Path(\"{marker}\")"
+                        f".write_text(\"ran\")\\n' > {where}/sentineld/__init__.py")
+
+
 @pytest.fixture
 def shared() -> Iterator[Path]:
     """A folder other users can reach (pytest's tmp dirs are 0700, so not under them)."""

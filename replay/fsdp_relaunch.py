@@ -49,7 +49,7 @@ import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from sentineld.contracts.errors import BadInput
 
@@ -127,17 +127,32 @@ def relaunch(run_dir: str | Path, world_size: int, step: int | None = None, *, r
             raise ReplayError(f"the replay re-launched on {world_size} ranks did not finish within {timeout_s:.0f} s "
                               "(killed); a rank may be stuck in a collective: retry, or omit --world-size for the "
                               "consolidated replay") from None
-        verdict = out / "verdict.json"
-        if proc.returncode == 0 and verdict.is_file():
-            return dict(json.loads(verdict.read_text()))
-        errors = sorted(out.glob("error-rank*.txt"))
-        if errors:
-            raise ReplayError(f"the replay re-launched on {world_size} ranks failed on "
-                              f"{errors[0].stem.removeprefix('error-')}: {errors[0].read_text().strip()}")
-        raise ReplayError(f"the replay re-launched on {world_size} ranks exited {proc.returncode} without a verdict; "
-                          f"torchrun said: {(err or '').strip()[-1500:]}")
+        return read_outcome(out, world_size, proc.returncode, err or "")
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def read_outcome(out: Path, world_size: int, returncode: int, stderr: str) -> dict[str, Any]:
+    """What a finished relaunch left in ``out``: rank 0's verdict (JSON object), or the failure.
+
+    Rank 0 writes ``verdict.json`` (atomically) only after the all-gather every rank reached with
+    its finding, so a verdict file with no ``error-rank*.txt`` beside it is a finished replay even
+    when torchrun's exit code is not 0: a rank that died in gloo's teardown after the work (SIGABRT,
+    "terminate called without an active exception", seen in CI; see :func:`_leave`) lost nothing.
+
+    Raises:
+        ReplayError: a rank wrote its error (the first one's message), or there is no verdict (the
+            exit code and the tail of torchrun's stderr).
+    """
+    errors = sorted(out.glob("error-rank*.txt"))
+    if errors:
+        raise ReplayError(f"the replay re-launched on {world_size} ranks failed on "
+                          f"{errors[0].stem.removeprefix('error-')}: {errors[0].read_text().strip()}")
+    verdict = out / "verdict.json"
+    if verdict.is_file():
+        return dict(json.loads(verdict.read_text()))
+    raise ReplayError(f"the replay re-launched on {world_size} ranks exited {returncode} without a verdict; "
+                      f"torchrun said: {stderr.strip()[-1500:]}")
 
 
 # --- one rank -------------------------------------------------------------------------------------
@@ -387,6 +402,21 @@ def worker(run_dir: Path, step: int | None, spec: str | None, trust: bool, captu
     write_atomic(out / "verdict.json", report.to_json())
 
 
+def _leave(dist: Any) -> NoReturn:
+    """End this rank: barrier, destroy the process group, flush stdio, exit 0 at once.
+
+    The barrier keeps any rank from closing its gloo connections while a peer still works;
+    ``os._exit`` skips the interpreter's exit-time destructors, where gloo (torch 2.13) can abort
+    with "terminate called without an active exception" on a thread still joinable
+    (pytorch/pytorch#179291); the verdict was written and every rank's work done before.
+    """
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _main(argv: list[str]) -> int:
     """``python -m sentineld.replay.fsdp_relaunch --out DIR RUN [--step N] [--recipe S] [--capture P] [--trust]``."""
     import argparse  # noqa: PLC0415
@@ -417,9 +447,7 @@ def _main(argv: list[str]) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         worker(Path(a.run), a.step, a.recipe, a.trust, a.capture, out)
-        dist.barrier()
-        dist.destroy_process_group()
-        return 0
+        _leave(dist)
     except BaseException as exc:  # every rank's failure is the launcher's message (DCP's is no Exception)
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise

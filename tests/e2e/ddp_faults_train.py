@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sentineld.agent import attach
 from tests.e2e.ddp_model import batch_for, make_recipe
+from tests.e2e.dist_exit import leave
 
 
 def segment(runs_dir: str, run_id: str, fault: str, fault_rank: int, fault_step: int, steps: int) -> None:
@@ -59,7 +60,7 @@ def main() -> None:
     torch.set_num_threads(1)
     for fault in sys.argv[6:]:
         segment(runs_dir, "" if job == "@elastic" else f"{job}-{fault}", fault, fault_rank, fault_step, steps)
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

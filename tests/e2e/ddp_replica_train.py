@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sentineld.agent import attach
 from tests.e2e.ddp_model import batch_for, make_recipe
+from tests.e2e.dist_exit import leave
 
 
 def segment(runs_dir: str, run_id: str, change: bool, change_rank: int, change_step: int, steps: int) -> None:
@@ -45,7 +46,7 @@ def main() -> None:
     torch.set_num_threads(1)
     segment(runs_dir, f"{job}-clean", False, change_rank, change_step, steps)
     segment(runs_dir, f"{job}-silent", True, change_rank, change_step, steps)
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import fully_shard
 
 from sentineld.agent import attach
 from tests.e2e.ddp_model import batch_for, loss_fn, make_recipe
+from tests.e2e.dist_exit import leave
 
 
 #: The step whose starting parameters are saved whole (``<run id>.truth.pt`` beside the run dir).
@@ -62,7 +63,7 @@ def main() -> None:
     torch.set_num_threads(1)
     for fault in sys.argv[6:]:
         segment(runs_dir, f"{job}-{fault}", fault, fault_rank, fault_step, steps)
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

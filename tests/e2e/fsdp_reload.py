@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from tests.e2e.dist_exit import leave
 from tests.e2e.fsdp_faults_train import sharded_recipe
 
 
@@ -28,7 +29,7 @@ def main() -> None:
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
     if dist.get_rank() == 0:
         torch.save({"world_size": dist.get_world_size(), "params": full}, out)
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import pytest
 
 from sentineld.replay.engine import replay_run
 from sentineld.replay.errors import ReplayError
-from sentineld.replay.fsdp_relaunch import combine, relaunch
+from sentineld.replay.fsdp_relaunch import combine, read_outcome, relaunch
 from tests.conftest import REPO
 from tests.e2e.ddp_model import train_one_process
 from tests.e2e.test_ddp_replay import EXPECTED, FAULT_STEP, SNAPSHOT, STEPS
@@ -109,3 +109,20 @@ def test_combine_picks_the_earliest_phase_that_names_an_op() -> None:
     assert combine([none, opt, none], 3) == (1, [0, 1, 2])
     fwd = {"phase": "forward", "module": "fc1", "op": "aten.addmm"}
     assert combine([fwd, fwd], 2) == (0, [0, 1])
+
+
+def test_a_verdict_written_before_a_teardown_abort_stands(tmp_path: Path) -> None:
+    """Regression (CI at c62729c): a rank of a finished gloo job aborted in its teardown (SIGABRT,
+    torchrun's exit code 1); the verdict rank 0 wrote after every rank's finding was gathered is
+    the replay's, while a rank's written error or a missing verdict is still a failure."""
+    verdict = {"run_id": "r2-forward", "phase": "forward", "module": "fc1", "step": FAULT_STEP}
+    (tmp_path / "verdict.json").write_text(json.dumps(verdict))
+    aborted = "terminate called without an active exception\n... exitcode  : -6 (pid: 21159)  (SIGABRT)"
+    assert read_outcome(tmp_path, 2, 1, aborted) == verdict
+    (tmp_path / "error-rank1.txt").write_text("rank 1: the checkpoint has no shard for fc1.weight")
+    with pytest.raises(ReplayError, match="failed on rank1: rank 1: the checkpoint has no shard"):
+        read_outcome(tmp_path, 2, 2, "")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ReplayError, match="(?s)exited 1 without a verdict; torchrun said: .*SIGABRT"):
+        read_outcome(empty, 2, 1, aborted)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from sentineld.contracts.fsdpunits import UNITS_KEY, record_units
 from sentineld.contracts.rundir import valid_run_id
 
 __all__ = ["dist_rank", "default_run_id", "job_attempt", "unwrap", "is_compiled", "model_kind", "torch_flags"]
@@ -84,11 +85,16 @@ def model_kind(model: torch.nn.Module, sharded: bool) -> dict[str, Any]:
     """run.json fields saying how the model runs: ``compiled`` (a ``torch.compile`` wrapper was
     attached: the replay runs it eagerly), its ``compile_backend``, ``sharded`` (``"fsdp2"``:
     parameters are DTensors) and ``grad_norm`` (``"local_shard"``: each rank's recorded grad norm
-    is the L2 norm of its own shards; the global one is ``sqrt(sum over ranks of its square)``)."""
+    is the L2 norm of its own shards; the global one is ``sqrt(sum over ranks of its square)``) and,
+    for a sharded model, ``fsdp_units`` (every FSDP unit and its mixed-precision policy, for the
+    replay to shard and compute as the run did: :mod:`sentineld.contracts.fsdpunits`)."""
     compiled = _compiled(model)
     backend = _backend_name(compiled.dynamo_ctx) if compiled is not None else None
-    return {"compiled": compiled is not None, "compile_backend": backend,
+    kind: dict[str, Any] = {"compiled": compiled is not None, "compile_backend": backend,
             "sharded": "fsdp2" if sharded else None, "grad_norm": "local_shard" if sharded else "global"}
+    if sharded:
+        kind[UNITS_KEY] = record_units(unwrap(model))
+    return kind
 
 
 def is_compiled(model: torch.nn.Module) -> bool:

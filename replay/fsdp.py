@@ -21,6 +21,7 @@ replay at the recorded world size (``--world-size N``).
 from __future__ import annotations
 
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,9 @@ from sentineld.contracts.dcpstate import (
     load_consolidated,
     placeholders,
 )
+from sentineld.contracts.errors import BadInput, SentineldError
+from sentineld.contracts.fsdpunits import mixed_units, read_units
+from sentineld.contracts.rundir import read_run_meta
 
 from .errors import ReplayError
 
@@ -92,13 +96,29 @@ def consolidated_snapshot(cap: Capture, snapshot: dict[str, Any],
         raise ReplayError(f"{path}: {exc.args[0]}; the checkpoint belongs to another capture") from None
     except dcp_errors() as exc:  # DCP on damaged shard files (CheckpointException is no Exception)
         raise ReplayError(damaged_checkpoint(path, "shard files", exc)) from None
-    evidence = {
+    evidence: dict[str, Any] = {
         "state": "consolidated", "checkpoint": str(path), "sharded_tensors": len(placeholders(snapshot)),
         "consolidated_bytes": need, "host_available_bytes": free, "load_s": round(time.perf_counter() - t0, 4),
         "note": ("every rank's shards loaded into whole tensors in this process (DCP, no process group); "
                  "the step replayed as DDP's: FSDP's reduce-scatter averages gradients as the all-reduce "
                  "does. Buffers are rank 0's (FSDP does not broadcast them)"),
     }
+    try:
+        extra = read_run_meta(cap.path.parent).extra
+    except (SentineldError, OSError, ValueError):  # no readable run.json: the engine says so itself
+        extra = {}
+    try:
+        mixed = mixed_units(read_units(extra))
+    except BadInput as exc:  # said in the verdict, not silently dropped; the replay itself goes on
+        mixed, evidence["units_problem"] = [], str(exc)
+    if mixed:
+        world = len(list(path.glob("__*_0.distcp"))) or "N"
+        evidence["mixed_precision"] = [u.to_json() for u in mixed]
+        evidence["relaunch"] = f"sentineld replay {shlex.quote(str(cap.path.parent))} --world-size {world}"
+        evidence["note"] += (f"; the run computed its units {[u.module or '<root>' for u in mixed]} in mixed "
+                             "precision (MixedPrecisionPolicy), this replay in the parameters' dtype, so its losses "
+                             "are not the run's: re-launch it at the recorded world size, which applies the "
+                             f"policies: {evidence['relaunch']}")
     return whole, evidence
 
 

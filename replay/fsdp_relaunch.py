@@ -28,10 +28,10 @@ the model's step on its shard). ``replayed_as`` says ``relaunched at world size 
 
 Limits: N must equal the recorded world size (each rank re-executes its own recorded batch;
 DCP could reshard the state to any N, but the batches of W ranks do not split into N);
-FSDP units are chosen by size (:func:`units`: the run's own are not recorded; the layout
-changes when parameters are all-gathered, not a parameter's shard or the reduce-scatter's sum); no
-``MixedPrecisionPolicy`` (a run that used one is replayed in the parameters' dtype, so its
-losses would not reproduce); a scheduler is rebound to the rebuilt optimizer.
+the run's FSDP units and their ``MixedPrecisionPolicy`` come from run.json
+(:mod:`sentineld.contracts.fsdpunits`): the same modules are sharded with the same policies, so
+a bfloat16 run reproduces bit for bit; a run recorded before the units were gets units chosen
+by size (:func:`units`) in the parameters' dtype; a scheduler is rebound to the rebuilt optimizer.
 """
 
 from __future__ import annotations
@@ -168,9 +168,9 @@ def units(model: Any, fraction: float = UNIT_FRACTION) -> list[str]:
     """Qualified names of the submodules to ``fully_shard`` before the root, deepest first.
 
     Post-order over ``named_modules()``: a module whose parameters not yet in a unit number at
-    least ``fraction`` of the model's becomes a unit (the root takes the rest). The run's own
-    units are not recorded; the layout changes when parameters are all-gathered, not a
-    parameter's shard nor the reduce-scatter's elementwise sum.
+    least ``fraction`` of the model's becomes a unit (the root takes the rest). Only for runs
+    recorded without their units (run.json ``extra.fsdp_units``); the layout changes when
+    parameters are all-gathered, not a parameter's shard nor the reduce-scatter's elementwise sum.
     """
     mods = list(model.named_modules())
     total = sum(p.numel() for p in model.parameters())
@@ -185,9 +185,18 @@ def units(model: Any, fraction: float = UNIT_FRACTION) -> list[str]:
     return out
 
 
-def _shard(rec: Any, world: int) -> tuple[Any, Any]:
+def _shard(rec: Any, world: int, recorded: list[Any] | None = None) -> tuple[Any, Any]:
     """``(recipe with its model fully_shard-ed over a 1-D mesh, the mesh)``; the optimizer is
-    rebuilt over the sharded parameters with the same groups and hyperparameters."""
+    rebuilt over the sharded parameters with the same groups and hyperparameters.
+
+    ``recorded``: the run's own units (:func:`sentineld.contracts.fsdpunits.read_units`): the
+    same modules become units with the same mixed-precision policies, deepest first, the root
+    last; without them (a run recorded before they were) the units are chosen by size
+    (:func:`units`) in the parameters' dtype.
+
+    Raises:
+        ReplayError: a recorded unit is no submodule of the recipe's model.
+    """
     import torch  # noqa: PLC0415
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
@@ -197,9 +206,20 @@ def _shard(rec: Any, world: int) -> tuple[Any, Any]:
     name_of = {id(p): n for n, p in model.named_parameters()}
     old = rec.optimizer
     mesh = init_device_mesh(device.type, (world,))
-    for name in units(model):
-        fully_shard(model.get_submodule(name), mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if recorded:
+        order = {name: i for i, (name, _m) in enumerate(model.named_modules())}
+        lost = [u.module for u in recorded if u.module not in order]
+        if lost:
+            raise ReplayError(f"the run's FSDP units {lost} are no submodules of the recipe's model; the recipe "
+                              "must build the model the run trained (the same module names)")
+        # Descendants first, the root ("") last; only the run's units (a root that was no unit
+        # kept its parameters whole on every rank in the run too).
+        for u in sorted(recorded, key=lambda u: -order[u.module]):
+            fully_shard(model.get_submodule(u.module), mesh=mesh, mp_policy=u.policy())
+    else:
+        for name in units(model):
+            fully_shard(model.get_submodule(name), mesh=mesh)
+        fully_shard(model, mesh=mesh)
     params = dict(model.named_parameters())
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[name_of[id(p)]] for p in g["params"]]}
               for g in old.param_groups]
@@ -294,6 +314,7 @@ def worker(run_dir: Path, step: int | None, spec: str | None, trust: bool, captu
     import torch.distributed as dist  # noqa: PLC0415
 
     from sentineld.contracts.capture import open_capture  # noqa: PLC0415
+    from sentineld.contracts.fsdpunits import mixed_units, read_units  # noqa: PLC0415
     from sentineld.contracts.rundir import RunDir, read_run_meta  # noqa: PLC0415
     from sentineld.contracts.safeio import write_atomic  # noqa: PLC0415
     from sentineld.contracts.verdict import Finding, Replayed, make_report  # noqa: PLC0415
@@ -314,6 +335,7 @@ def worker(run_dir: Path, step: int | None, spec: str | None, trust: bool, captu
     named_by = [p for p in (run_dir / RunDir.RUN_JSON, *paths.values()) if p.exists()]
     make = recipe_factory(meta, spec, trust, named_by)
     flags = meta.extra.get("torch_flags") if isinstance(meta.extra.get("torch_flags"), dict) else None
+    recorded = read_units(meta.extra)
     with open_capture(paths[rank]) as cap, torch_globals(meta.num_threads, flags) as in_effect:
         S = cap.snapshot_step
         held: list[Any] = [None] * world
@@ -328,7 +350,7 @@ def worker(run_dir: Path, step: int | None, spec: str | None, trust: bool, captu
         snapshot = cap.snapshot()
 
         def fresh() -> tuple[Any, dict[str, Any]]:
-            rec, _mesh = _shard(make(), world)
+            rec, _mesh = _shard(make(), world, recorded)
             return rec, _load_sharded(rec, cap, snapshot)
 
         def rebuild(rec: Any, upto: int) -> tuple[int | None, dict[int, float]]:
@@ -380,6 +402,8 @@ def worker(run_dir: Path, step: int | None, spec: str | None, trust: bool, captu
     ev: dict[str, Any] = {
         "rebuilt_losses": everyone[win]["rebuilt"], "snapshot_step": S, "torch_flags": in_effect,
         "fsdp": {"state": "relaunched", "replayed_as": relaunched, "world_size": world,
+                 "units": ([u.to_json() for u in recorded] if recorded else "chosen by size (not recorded)"),
+                 "mixed_precision": [u.to_json() for u in mixed_units(recorded)],
                  "checkpoint": everyone[0]["checkpoint"], "sharded_tensors": everyone[0]["sharded_tensors"],
                  "load_s": max(e["load_s"] for e in everyone), "ranks_used": list(range(world)),
                  "per_rank": {str(e["rank"]): {"phase": e["finding"].phase, "module": e["finding"].module,

@@ -165,6 +165,7 @@ def _evidence_lines(r: Mapping[str, Any]) -> list[str]:
                    + (f", loss tolerance {_fmt(tol)}" if tol else ""))
     if r.get("replayed_as"):  # a sharded (FSDP2) run: consolidated into one process or relaunched
         out.append(f"sharded run replayed {r['replayed_as']}")
+        out += _mixed_precision_lines(ev.get("fsdp"))
     forward_only = ev.get("mode") == "forward_only"
     if r.get("phase") == "none":
         out.append(f"recorded run non-finite here: {r.get('recorded_nonfinite')}")
@@ -303,3 +304,24 @@ def format_body(body: str, fmt: str) -> str:
         fence = "`" * max(3, 1 + max((len(m) for m in re.findall("`+", body)), default=0))
         return f"{fence}\n{body.rstrip(chr(10))}\n{fence}\n"
     raise ValueError(f"unknown output format {fmt!r}; expected one of {', '.join(FORMATS)}")
+
+
+def _mixed_precision_lines(fsdp: Any) -> list[str]:
+    """The text verdict's lines on an FSDP2 run's mixed precision (evidence ``fsdp``)."""
+    if not isinstance(fsdp, Mapping):
+        return []
+    out = []
+    mixed = fsdp.get("mixed_precision") or []
+    if mixed:
+        pols = sorted({f"param {u.get('param_dtype') or 'as stored'}, reduce {u.get('reduce_dtype') or 'as param'}"
+                       for u in mixed if isinstance(u, Mapping)})
+        units = ", ".join(str(u.get("module") or "<root>") for u in mixed if isinstance(u, Mapping))
+        if fsdp.get("state") == "relaunched":
+            out.append(f"mixed precision: applied as the run had it ({'; '.join(pols)}) on units {units}")
+        else:
+            out.append(f"mixed precision: the run computed units {units} with {'; '.join(pols)}; this consolidated "
+                       "replay computes in the parameters' dtype, so its losses are not the run's: "
+                       f"{fsdp.get('relaunch')} applies the policies")
+    if fsdp.get("units_problem"):
+        out.append(f"warning: {fsdp['units_problem']}")
+    return out

@@ -200,6 +200,10 @@ def status(state_dir: str | None, as_json: bool) -> None:
                           str(r.get("last_step")), ", ".join(map(str, r.get("active") or [])) or "-",
                           str(r.get("captures")), str(r.get("error") or "")[:60])
             con.print(t)
+            for r in st.get("runs") or []:  # the run's own signature settings the daemon did not take
+                r = r if isinstance(r, dict) else {}
+                for p in (r.get("signature_overrides_refused") or [])[:10]:
+                    con.print(f"run {str(r.get('run_id', '?'))[:80]}: signature override {str(p)[:400]}", markup=False)
     sys.exit(EXIT_OK if pid is not None else EXIT_NOT_RUNNING)
 
 

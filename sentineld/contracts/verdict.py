@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
 from typing import Any, Mapping
 
 from .errors import EXIT_NOT_REPRODUCED, EXIT_OK
@@ -152,7 +153,13 @@ class Replayed:
     localize_s: float = 0.0
     ranks: list[int] = field(default_factory=list)
     loss_tolerance: float = 0.0
-    evidence: dict[str, Any] = field(default_factory=dict)
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Read-only: what a replay adds is passed in whole (dataclasses.replace for more), so the
+        # verdict make_report builds from it is the one the replay found (replay/ddp.py added
+        # FSDP evidence to a built one).
+        object.__setattr__(self, "evidence", MappingProxyType(dict(self.evidence)))
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ recipe builds the plain, eager model: the rebuild and the localization are eager
 dispatch tracing as for any run. So the verdict says so:
 
 - ``compiled``: true (from run.json ``extra.compiled``; ``extra.compile_backend`` names the backend).
-- ``eager_reproduced``: the eager replay made a non-finite value at the run's non-finite step,
-  with every rebuilt loss before it within :data:`REL_TOLERANCE` of the recorded (compiled) one.
+- ``eager_reproduced``: the eager replay made a non-finite value at the run's non-finite step (for a
+  loss-spike verdict: the spike, its cause named), with every rebuilt loss before it (and a spike's
+  replayed loss) within :data:`REL_TOLERANCE` of the recorded (compiled) one.
   A compiler's fused kernels reorder float sums, so eager and compiled losses may differ in the
   last bits; ``reproduced`` for a compiled run accepts that tolerance and says it used it
   (``loss_tolerance``), as the DDP replay does for gloo's ring order.
@@ -88,16 +89,20 @@ def check_compiled(r: Replayed, extra: Mapping[str, Any],
         within = within and dev <= tol
     if ddp:  # the DDP replay compared every rank with its own tolerance already
         within = r.reproduced
-    # The capture was written because the compiled run went non-finite at its incident step;
-    # a verdict with a phase is the eager replay making a non-finite value there too.
-    eager_reproduced = bool(r.found.phase != "none" and within)
+    spike = r.found.kind == "spike"
+    # The capture was written because the compiled run went non-finite (or its loss spiked) at its
+    # incident step; a verdict with a phase (a spike verdict naming a cause) is the eager replay
+    # making the same fault there.
+    eager_reproduced = bool((r.found.cause_class != "not_reproduced" if spike else r.found.phase != "none")
+                            and within)
     ev: dict[str, Any] = {"backend": extra.get("compile_backend"), "replayed": "eager",
                           "tolerance": tol, "max_deviation": worst, "eager_reproduced": eager_reproduced}
     if not eager_reproduced:
-        ev["note"] = ("the eager replay does not make the run's non-finite value: the compiled graph (or a "
+        fault = "loss spike" if spike else "non-finite value"
+        ev["note"] = (f"the eager replay does not make the run's {fault}: the compiled graph (or a "
                       "transient) does. Re-run the captured step compiled under the accuracy minifier: "
                       "TORCHDYNAMO_REPRO_AFTER=aot TORCHDYNAMO_REPRO_LEVEL=4, with the captured batch")
-        if rerun is not None:
+        if rerun is not None and not spike:  # the compiled re-run looks for a non-finite value only
             ev["compiled_rerun"] = rerun(extra.get("compile_backend"))
     accepted = within and not r.reproduced and bool(recorded)
     return CompiledCheck(eager_reproduced, ev, tolerance=tol if accepted else None,

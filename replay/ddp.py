@@ -258,13 +258,8 @@ def replay_ddp(paths: dict[int, Path], make: Callable[[], Recipe], step: int | N
         with environment() as in_effect:
             found, born, cmp, offending, t1 = _run(make, world, ranks, snapshot, target, step is None)
         t2 = time.perf_counter()
-    replayed = _finish(found, born, target, paths, ranks, cmp, offending, in_effect,
-                       times=(round(t1 - t0, 4), round(t2 - t1, 4), round(time.perf_counter() - t0, 4)))
-    if fsdp is not None:
-        replayed.evidence["fsdp"] = fsdp
-        replayed.evidence["ddp"]["reduction"] = ("per rank grad * (1/W), summed in rank order (FSDP2's "
-                                                 "reduce-scatter average, each shard's sum)")
-    return replayed
+    return _finish(found, born, target, paths, ranks, cmp, offending, in_effect,
+                   times=(round(t1 - t0, 4), round(t2 - t1, 4), round(time.perf_counter() - t0, 4)), fsdp=fsdp)
 
 
 def _run(make: Callable[[], Recipe], world: int, ranks: _Ranks, snapshot: dict[str, Any], target: int,
@@ -300,8 +295,11 @@ def _run(make: Callable[[], Recipe], world: int, ranks: _Ranks, snapshot: dict[s
 
 
 def _finish(found: Finding, born: list[int], target: int, paths: dict[int, Path], ranks: _Ranks, cmp: _Compare,
-            offending: int, in_effect: Any, times: tuple[float, float, float]) -> Replayed:
-    """What the DDP replay found, with the rebuild's evidence (``times``: rebuild, localize, elapsed s)."""
+            offending: int, in_effect: Any, times: tuple[float, float, float],
+            fsdp: dict[str, Any] | None = None) -> Replayed:
+    """What the DDP replay found, with the rebuild's evidence (``times``: rebuild, localize, elapsed s;
+    ``fsdp``: how an FSDP2 run's shards were consolidated, replay/fsdp.py), built whole here: a
+    :class:`Replayed` is never changed after."""
     rank = born[0] if born else 0
     tolerance = 0.0 if cmp.equal else cmp.tolerance
     recorded = {r: ranks.losses.get(r, {}).get(offending) for r in sorted(paths)}
@@ -314,9 +312,12 @@ def _finish(found: Finding, born: list[int], target: int, paths: dict[int, Path]
         "captures": {str(r): str(p) for r, p in sorted(paths.items())},
         "recorded_losses": {str(r): x for r, x in recorded.items()},
         "rebuilt_losses": {str(r): {str(s): v for s, v in sorted(d.items())} for r, d in sorted(cmp.rebuilt.items())},
-        "reduction": "per rank grad * (1/W), summed in rank order (DDP's bucketed all-reduce)",
+        "reduction": ("per rank grad * (1/W), summed in rank order (DDP's bucketed all-reduce)" if fsdp is None else
+                      "per rank grad * (1/W), summed in rank order (FSDP2's reduce-scatter average, each shard's sum)"),
         "bitwise": cmp.equal, "loss_tolerance": tolerance,
     }
+    if fsdp is not None:
+        ev["fsdp"] = fsdp
     if ranks.snapshot_rank != 0:
         ev["ddp"]["note"] = (f"snapshot taken from rank {ranks.snapshot_rank}: its buffers (e.g. BatchNorm "
                              "running stats) are its own, not the rank-0 buffers DDP broadcasts")

@@ -158,11 +158,11 @@ def _replay(run_dir: Path, step: int | None, spec: str | None, trust: bool,
     if not missing and (what_if or _is_spike(cap_path)):
         from .cf_replay import run_compiled, spike_replay, what_if_of  # noqa: PLC0415
 
-        if _is_spike(cap_path):  # a spike verdict says nothing of the compiler but its reproducibility
+        if _is_spike(cap_path):  # a compiled run's spike says it was replayed eagerly, as a NaN's verdict does
             make = recipe_factory(meta, spec, trust, named_by)
             spiked, extras = spike_replay(cap_path, make, step, env, what=what_if, compiled=run_compiled(meta),
                                           repeats=repeats, t0=t0)
-            return make_report(spiked, meta.run_id, what_if=extras)
+            return make_report(spiked, meta.run_id, what_if=extras, compiled=_compiled(spiked, meta.extra))
         replayed = replay_capture(cap_path, lambda: recipe_factory(meta, spec, trust, named_by), step, env, t0=t0)
         wi = what_if_of(replayed, cap_path, recipe_factory(meta, spec, trust, named_by), env,
                         compiled=run_compiled(meta), repeats=repeats)

@@ -3,7 +3,9 @@ daemon spawns this with the run's own interpreter and working directory) and the
 ``sentineld replay``. Imports no CLI or daemon code, and no torch until the capture opened: a
 damaged capture is reported in a fraction of a second.
 
-Exit codes (:mod:`sentineld.contracts.errors`): 0 a reproduced step, 1 not reproduced, 2 bad
+Exit codes (:mod:`sentineld.contracts.errors`), from the verdict's outcome
+(:func:`sentineld.contracts.verdict.verdict_exit_code`, the daemon's ``result``): 0 localized or
+not_localized (the step reproduced; for a loss spike, a cause named), 1 not_reproduced, 2 bad
 input (any :class:`~sentineld.contracts.errors.BadInput`: unknown run, damaged capture, missing
 step, untrusted or unbuildable recipe).
 """
@@ -19,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 import click
 
-from sentineld.contracts.errors import EXIT_NOT_REPRODUCED, EXIT_OK, BadInput, SentineldError
+from sentineld.contracts.errors import BadInput, SentineldError
 from sentineld.contracts.rundir import default_runs_dir, resolve_run
 from sentineld.contracts.trust import add_replay_path, check_import_path
 
@@ -74,8 +76,9 @@ def run_replay(run: str, step: int | None, as_json: bool, recipe: str | None, ca
             :mod:`sentineld.replay.fsdp_relaunch`); None: the replay in this process.
 
     Returns:
-        0 when the step reproduced, 1 when it did not; a bad input prints ``sentineld: <why>`` to
-        stderr and returns its error's exit code (2).
+        The verdict's :func:`~sentineld.contracts.verdict.verdict_exit_code` (0 localized or
+        not_localized, 1 not_reproduced); a bad input prints ``sentineld: <why>`` to stderr and
+        returns its error's exit code (2).
     """
     logging.basicConfig(level=logging.WARNING, format="sentineld: %(message)s", stream=sys.stderr)
     try:
@@ -88,7 +91,7 @@ def run_replay(run: str, step: int | None, as_json: bool, recipe: str | None, ca
 
             with open_capture(capture):  # a damaged capture fails here, before torch is imported
                 pass
-        from sentineld.contracts.verdict import render_text  # noqa: PLC0415
+        from sentineld.contracts.verdict import render_text, verdict_exit_code  # noqa: PLC0415
 
         if world_size is not None:
             if rank is not None or what_if:
@@ -98,7 +101,7 @@ def run_replay(run: str, step: int | None, as_json: bool, recipe: str | None, ca
 
             verdict = relaunch(run_dir, world_size, step, recipe=recipe, trust=trust, capture=capture)
             click.echo(json.dumps(verdict, indent=2, sort_keys=True) if as_json else render_text(verdict))
-            return EXIT_OK if verdict.get("reproduced") else EXIT_NOT_REPRODUCED
+            return verdict_exit_code(verdict)
         from sentineld.replay.engine import replay_run  # noqa: PLC0415
 
         with stdout_to_stderr():  # the user's code may print: stdout carries only the verdict
@@ -108,7 +111,7 @@ def run_replay(run: str, step: int | None, as_json: bool, recipe: str | None, ca
         click.echo(f"sentineld: {exc}", err=True)
         return exc.exit_code
     click.echo(report.to_json() if as_json else render_text(report))
-    return EXIT_OK if report.reproduced else EXIT_NOT_REPRODUCED
+    return verdict_exit_code(report)
 
 
 @contextlib.contextmanager
@@ -133,7 +136,11 @@ def stdout_to_stderr() -> Iterator[None]:
 def command(run: str, step: int | None, as_json: bool, recipe: str | None, capture: str | None,
             trust: bool, rank: int | None, runs_dir: str | None, what_if: bool = False, repeats: int = 3,
             world_size: int | None = None) -> None:
-    """Rebuild RUN (an id or a directory) before the offending step and name where it broke."""
+    """Rebuild RUN (an id or a directory) before the offending step and name where it broke.
+
+    Exit codes, from the verdict's outcome: 0 localized or not_localized (the step reproduced; a
+    loss spike's cause named), 1 not_reproduced, 2 bad input (unknown run, damaged capture, missing
+    step, untrusted or unbuildable recipe)."""
     sys.exit(run_replay(run, step, as_json, recipe, capture, trust, runs_dir, rank, what_if, repeats, world_size))
 
 

@@ -210,7 +210,10 @@ def explain_spike(engine: Engine, n: int) -> Replayed:
     ev: dict[str, Any] = dict(
         losses=cells, reference_loss=ref, spike_bar=bar, recorded_loss=recorded, replayed_loss=l_nn,
         earlier_state_step=e, neighbour_batch_step=j, spike_share=SPIKE_SHARE,
-        recorded_losses={str(s): v for s, v in sorted(engine.recorded.items())})
+        recorded_losses={str(s): v for s, v in sorted(engine.recorded.items())},
+        # the steps re-executed on the way to the state before n, and n itself (a compiled run's
+        # eager replay is compared with these: replay/compiled.py)
+        rebuilt_losses={str(s): v for s, v in sorted({**engine.rebuilt.losses, n: l_nn}.items()) if s <= n})
     rec = engine.fresh(n)
     if not reproduced_spike:
         found = Finding(n, kind="spike", cause_class="not_reproduced", evidence=ev,

@@ -1,8 +1,9 @@
 """The ``sentineld`` command line (click).
 
 Exit codes (documented in README; defined in sentineld.contracts.errors):
-    0  success; for ``replay``, a reproduced step (localized, or every value finite)
-    1  ``replay``: the step did not reproduce; ``demo``: no verdict arrived in time
+    0  success; for ``replay``, a verdict whose outcome is localized or not_localized (the step
+       reproduced; a loss spike's cause named): ``contracts.verdict.verdict_exit_code``
+    1  ``replay``: outcome not_reproduced; ``demo``: no verdict arrived in time
     2  bad input: unknown run, missing or corrupt capture, missing step, bad config, untrusted
        or unbuildable recipe
     3  ``status``/``stop``: no daemon is running
@@ -200,6 +201,10 @@ def status(state_dir: str | None, as_json: bool) -> None:
                           str(r.get("last_step")), ", ".join(map(str, r.get("active") or [])) or "-",
                           str(r.get("captures")), str(r.get("error") or "")[:60])
             con.print(t)
+            for r in st.get("runs") or []:  # the run's own signature settings the daemon did not take
+                r = r if isinstance(r, dict) else {}
+                for p in (r.get("signature_overrides_refused") or [])[:10]:
+                    con.print(f"run {str(r.get('run_id', '?'))[:80]}: signature override {str(p)[:400]}", markup=False)
     sys.exit(EXIT_OK if pid is not None else EXIT_NOT_RUNNING)
 
 
@@ -317,7 +322,11 @@ def recover(run: str, runs_dir: str | None) -> None:
 def replay(run: str, step: int | None, as_json: bool, recipe: str | None, capture: str | None,
            trust: bool, rank: int | None, runs_dir: str | None, what_if: bool = False, repeats: int = 3,
            world_size: int | None = None) -> None:
-    """Rebuild RUN (an id or a directory) before the offending step and name where it broke."""
+    """Rebuild RUN (an id or a directory) before the offending step and name where it broke.
+
+    Exit codes, from the verdict's outcome: 0 localized or not_localized (the step reproduced; a
+    loss spike's cause named), 1 not_reproduced, 2 bad input (unknown run, damaged capture, missing
+    step, untrusted or unbuildable recipe)."""
     try:
         cfg = load_config()
     except ConfigError:

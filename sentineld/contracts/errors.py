@@ -4,8 +4,9 @@ Torch-free and dependency-free, so the CLI and ``python -m sentineld.replay`` ca
 error by its class (``except SentineldError``) before anything heavy is imported.
 
 Exit codes (README, ``sentineld --help``):
-    0  success; for a replay, a reproduced step (localized, or every value finite)
-    1  a replay whose step did not reproduce; ``demo``: no verdict arrived in time
+    0  success; for a replay, a verdict whose outcome is localized or not_localized (the step
+       reproduced; a loss spike's cause named): ``verdict.verdict_exit_code``
+    1  a replay whose verdict's outcome is not_reproduced; ``demo``: no verdict arrived in time
     2  bad input: unknown run, missing or corrupt capture, missing step, bad config, untrusted
        or unbuildable recipe
     3  ``status``/``stop``: no daemon is running

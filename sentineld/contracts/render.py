@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 from sentineld.contracts.render_cf import reproducibility_lines, spike_lines, spike_title, what_if_lines
 
-__all__ = ["FORMATS", "render_verdict", "format_body", "tensor_stats_text", "replay_command"]
+__all__ = ["FORMATS", "render_verdict", "format_body", "tensor_stats_text", "replay_command", "compiled_lines"]
 
 #: Output formats of :func:`format_body` (apprise's ``NotifyFormat`` values).
 FORMATS = ("text", "html", "markdown")
@@ -218,6 +218,7 @@ def render_verdict(report: Any, fmt: str = "text") -> tuple[str, str]:
         f"reproduced: {r.get('reproduced')} (max loss deviation {_fmt(r.get('max_loss_deviation', 0.0))} "
         f"over {r.get('steps_rebuilt', 0)} rebuilt steps{snap})",
         *_evidence_lines(r),
+        *compiled_lines(r),
         f"likely cause: {r.get('cause', '')}",
         f"fix: {r.get('fix', '')}",
         *what_if_lines(r), *reproducibility_lines(r),
@@ -228,9 +229,40 @@ def render_verdict(report: Any, fmt: str = "text") -> tuple[str, str]:
 
 def _render_spike(r: Mapping[str, Any], fmt: str) -> tuple[str, str]:
     """A finite loss spike's verdict (``kind`` spike): :mod:`sentineld.contracts.render_cf`."""
-    lines = [*spike_lines(r), f"likely cause: {r.get('cause', '')}", f"fix: {r.get('fix', '')}",
+    lines = [*spike_lines(r), *compiled_lines(r), f"likely cause: {r.get('cause', '')}", f"fix: {r.get('fix', '')}",
              *what_if_lines(r), *reproducibility_lines(r), *_commands(r, r.get("step", "?"))]
     return spike_title(r), format_body("\n".join(lines) + "\n", fmt)
+
+
+def compiled_lines(r: Mapping[str, Any]) -> list[str]:
+    """What the eager replay of a ``torch.compile``'d run showed (``compiled``,
+    ``eager_reproduced``, ``evidence.compiled``: replay/compiled.py), or nothing for an eager run:
+    the backend, that the replay ran eagerly, whether eager made the fault, the tolerance the
+    losses were compared under, the note on what to run next, and the compiled re-run's result
+    with its repro (or why there is none)."""
+    if r.get("compiled") is not True:
+        return []
+    ev = (r.get("evidence") or {}).get("compiled")
+    ev = ev if isinstance(ev, Mapping) else {}
+    fault = "loss spike" if r.get("kind") == "spike" else "non-finite value"
+
+    def text(v: Any) -> str:  # evidence of a replay subprocess: one line each, never a forged one
+        return _one_line(str(v))[:600]
+    out = [f"compiled: backend {text(ev.get('backend') or '-')}, replayed eagerly; eager replay made the run's "
+           f"{fault}: {text(r.get('eager_reproduced'))} (loss deviation {text(_fmt(ev.get('max_deviation', 0.0)))}, "
+           f"tolerance {text(_fmt(ev.get('tolerance', 0.0)))})"]
+    if ev.get("note"):
+        out.append(f"compiled note: {text(ev['note'])}")
+    rerun = ev.get("compiled_rerun")
+    if isinstance(rerun, Mapping):
+        got = (f"failed: {text(rerun['error'])}" if rerun.get("error") else
+               f"loss {text(_fmt(rerun.get('loss')))}, non-finite: {text(rerun.get('nonfinite'))}")
+        out.append(f"compiled re-run ({text(rerun.get('backend'))}): {got}")
+        if rerun.get("backend_note"):
+            out.append(f"  {text(rerun['backend_note'])}")
+        out.append(f"  repro: {text(rerun['repro'])}" if rerun.get("repro") else
+                   f"  {text(rerun.get('repro_note') or 'no repro')}")
+    return out
 
 
 def _commands(r: Mapping[str, Any], step: Any) -> list[str]:

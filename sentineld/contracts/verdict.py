@@ -44,11 +44,14 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
 from typing import Any, Mapping
+
+from .errors import EXIT_NOT_REPRODUCED, EXIT_OK
 
 __all__ = ["REPORT_SCHEMA_VERSION", "CAUSE_CLASSES", "VERDICT_KINDS", "REPRODUCIBILITY_CLASSES",
            "OUTSIDE_MODEL", "PHASES", "Finding", "Replayed", "WhatIf", "CompiledCheck", "Report", "make_report",
-           "verdict_outcome",
+           "verdict_outcome", "verdict_exit_code", "OUTCOME_EXIT_CODES",
            "report_problems", "is_verdict", "render_text", "notification_text"]
 
 #: A verdict's ``phase``: where in the step the first non-finite value was made (``none``: nowhere).
@@ -150,7 +153,13 @@ class Replayed:
     localize_s: float = 0.0
     ranks: list[int] = field(default_factory=list)
     loss_tolerance: float = 0.0
-    evidence: dict[str, Any] = field(default_factory=dict)
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Read-only: what a replay adds is passed in whole (dataclasses.replace for more), so the
+        # verdict make_report builds from it is the one the replay found (replay/ddp.py added
+        # FSDP evidence to a built one).
+        object.__setattr__(self, "evidence", MappingProxyType(dict(self.evidence)))
 
 
 @dataclass(frozen=True)
@@ -263,16 +272,35 @@ def make_report(r: Replayed, run_id: str, *, evidence: Mapping[str, Any] | None 
                   replayed_as=replayed_as)
 
 
-def verdict_outcome(report: Mapping[str, Any]) -> str:
+def verdict_outcome(report: "Mapping[str, Any] | Report") -> str:
     """What a verdict says, in one word (the daemon's ``result`` and metric label): ``localized``
     (a phase named), ``not_localized`` (reproduced, every value finite) or ``not_reproduced``
     (the rebuilt losses differ from the recorded ones). A finite loss spike's verdict
-    (``kind: "spike"``) names a cause, not a phase: localized unless its cause is not_reproduced."""
-    if report.get("kind") == "spike":
-        return "not_reproduced" if report.get("cause_class") == "not_reproduced" else "localized"
-    if not report.get("reproduced", False):
+    (``kind: "spike"``) names a cause, not a phase: localized unless its cause is not_reproduced
+    (its ``reproduced`` says only whether the rebuilt loss equals the recorded one).
+
+    Args:
+        report: a verdict's JSON object, or the :class:`Report` itself.
+    """
+    def get(key: str, default: Any = None) -> Any:
+        return report.get(key, default) if isinstance(report, Mapping) else getattr(report, key, default)
+    if get("kind") == "spike":
+        return "not_reproduced" if get("cause_class") == "not_reproduced" else "localized"
+    if not get("reproduced", False):
         return "not_reproduced"
-    return "not_localized" if report.get("phase") == "none" else "localized"
+    return "not_localized" if get("phase") == "none" else "localized"
+
+
+#: The replay's exit code per :func:`verdict_outcome` (README "Exit codes", ``sentineld replay
+#: --help``): the step's fault reproduced (localized, or reproduced with every value finite) is 0.
+OUTCOME_EXIT_CODES = {"localized": EXIT_OK, "not_localized": EXIT_OK, "not_reproduced": EXIT_NOT_REPRODUCED}
+
+
+def verdict_exit_code(report: "Mapping[str, Any] | Report") -> int:
+    """The exit code of a command that prints verdict ``report``: its :func:`verdict_outcome`
+    through :data:`OUTCOME_EXIT_CODES` (0 localized / not_localized, 1 not_reproduced), so the
+    code and the verdict's outcome (the daemon's ``result``) never disagree."""
+    return OUTCOME_EXIT_CODES[verdict_outcome(report)]
 
 
 def report_problems(report: Any, run_id: str | None = None) -> list[str]:

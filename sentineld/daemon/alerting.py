@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from sentineld.daemon.daemon_config import DaemonConfig
 from sentineld.daemon.loops import Stats
@@ -78,10 +78,10 @@ class Alerting:
         """Evaluate the signatures over the run's windows and carry out the policy's decision;
         ``live`` is False while catching up on old records (then ``stalled`` is not judged
         against the current time)."""
-        from sentineld.signatures import evaluate, run_signature_config, unresolved  # noqa: PLC0415
+        from sentineld.signatures import evaluate, unresolved  # noqa: PLC0415
 
         rw = state.watch
-        sig_config = run_signature_config(self.sig_config, rw.meta.extra if rw.meta else None)
+        sig_config = self.run_config(state)
         now = self.clock()
         state.last_eval_s = now
         per_rank = {}
@@ -102,6 +102,27 @@ class Alerting:
                    ended=rw.all_ended, min_firing_s=MIN_FIRING_S)
         rw.active = d.active
         self.act(state, d)
+
+    def run_config(self, state: RunState) -> Any:
+        """The :class:`~sentineld.signatures.SignatureConfig` the run is judged with: the daemon's,
+        with the run's own overrides from its run.json (``attach(..., signatures=...)``) merged
+        once per read of that file. What of them is refused (a hand-edited run.json) is logged
+        once, naming the run and the setting, and shown in the run's status entry
+        (``signature_overrides_refused``, ``sentineld status``); the rest is applied."""
+        from sentineld.signatures import merge_run_overrides  # noqa: PLC0415
+
+        rw = state.watch
+        if state.sig_config is not None and state.sig_config[0] is rw.meta:
+            return state.sig_config[1]
+        cfg, problems = merge_run_overrides(self.sig_config, rw.meta.extra if rw.meta else None)
+        if problems != rw.override_problems:
+            for p in problems:
+                log.warning("run %s: run.json signature override %s", rw.run_id, p)
+            if not problems and rw.override_problems:
+                log.info("run %s: its run.json signature overrides are all applied now", rw.run_id)
+        rw.override_problems = problems
+        state.sig_config = (rw.meta, cfg)
+        return cfg
 
     def evaluate_idle(self, states: Iterable[RunState]) -> None:
         """Evaluate the live runs that wrote nothing for :data:`IDLE_EVAL_S` (``stalled``)."""

@@ -34,6 +34,8 @@ class RunState:
         unsaved: something was read since that save.
         rings_checked_s: monotonic second its on-disk rings were last offered for recovery.
         failure: the last error logged for it (logged again only when it changes).
+        sig_config: ``(run.json read, SignatureConfig)``: the config this run is judged with,
+            merged once per read of its run.json (``Alerting``), not per evaluation.
     """
 
     watch: RunWatch
@@ -43,6 +45,7 @@ class RunState:
     unsaved: bool = False
     rings_checked_s: float = 0.0
     failure: str | None = None
+    sig_config: tuple[Any, Any] | None = None
 
     @property
     def run_dir(self) -> Path:

@@ -57,6 +57,7 @@ class RunWatch:
     notices: list[tuple[int, str, int, str]] = field(default_factory=list)  # (rank, kind, step, message)
     replaced: bool = False
     crash_paged: bool = False  # a crash capture of this run was paged (one page per run)
+    override_problems: list[str] = field(default_factory=list)  # its run.json signature overrides refused
     _meta_key: tuple[int, int, int] | None = None
 
     @property
@@ -225,7 +226,8 @@ class RunWatch:
                 "ended": {str(k): v for k, v in self.ended.items()},
                 "active": sorted(self.active), "captures": len(self.captures_seen),
                 "error": self.error or self.meta_error, "bad_lines": self.bad_lines,
-                "agent_warnings": self.agent_errors[-3:]}
+                "agent_warnings": self.agent_errors[-3:],
+                "signature_overrides_refused": self.override_problems}
 
     # ---------------------------------------------------------- persistence
     def progress(self) -> dict[str, Any]:

@@ -42,13 +42,13 @@ from .loss import (
 from .numerics import LossScaleConfig, NonfiniteConfig, detect_loss_scale_collapse, detect_nonfinite
 from .replicas import ReplicaDivergenceConfig, detect_replica_divergence
 from .resolve import shown_resolved, unresolved
-from .signature_config import SignatureConfig, run_signature_config
+from .signature_config import SignatureConfig, merge_run_overrides, run_signature_config
 from .spike import LossSpikeConfig, SpikeTracker, detect_loss_spike
 from .updates import NotAppliedConfig, UpdateRatioConfig, detect_gradients_not_applied, detect_update_ratio
 from .zero_grad import ZeroGradConfig, detect_forgotten_zero_grad
 
 __all__ = [
-    "evaluate", "run_signature_config", "unresolved", "shown_resolved",
+    "evaluate", "run_signature_config", "merge_run_overrides", "unresolved", "shown_resolved",
     "Verdict", "Severity", "SIGNATURES", "SignatureConfig",
     "NonfiniteConfig", "LossScaleConfig", "DivergenceSpikeConfig", "DivergenceGrowthConfig",
     "PlateauConfig", "OscillationConfig", "InitialLossConfig", "ExplodingConfig",

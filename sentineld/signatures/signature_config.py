@@ -30,7 +30,7 @@ from .spike import LossSpikeConfig
 from .updates import NotAppliedConfig, UpdateRatioConfig
 from .zero_grad import ZeroGradConfig
 
-__all__ = ["SignatureConfig", "run_signature_config"]
+__all__ = ["SignatureConfig", "run_signature_config", "merge_run_overrides"]
 
 
 @dataclass(frozen=True)
@@ -78,14 +78,14 @@ class SignatureConfig:
         kwargs: dict[str, Any] = {}
         for name, sub in values.items():
             if name not in known:
-                raise ValueError(f"unknown signature config key '{name}'; known: "
+                raise ValueError(f"unknown signature config key {_shown(name)}; known: "
                                  f"{', '.join(sorted(known))}")
             sub_cls = _sub_cls(known[name])
             if isinstance(sub, sub_cls):
                 kwargs[name] = sub
                 continue
             if not isinstance(sub, Mapping):
-                raise ValueError(f"signature config {name!r} must be a mapping, got "
+                raise ValueError(f"signature config {_shown(name)} must be a mapping, got "
                                  f"{type(sub).__name__}")
             kwargs[name] = _build(sub_cls, name, sub)
         return cls(**kwargs)
@@ -106,9 +106,9 @@ class SignatureConfig:
         changes: dict[str, Any] = {}
         for name, sub in values.items():
             if name not in known:
-                raise ValueError(f"unknown signature config key '{name}'; known: {', '.join(sorted(known))}")
+                raise ValueError(f"unknown signature config key {_shown(name)}; known: {', '.join(sorted(known))}")
             if not isinstance(sub, Mapping):
-                raise ValueError(f"signature config {name!r} must be a mapping, got {type(sub).__name__}")
+                raise ValueError(f"signature config {_shown(name)} must be a mapping, got {type(sub).__name__}")
             current = getattr(self, name)
             merged = {f.name: getattr(current, f.name) for f in fields(current)}
             merged.update(sub)
@@ -116,32 +116,99 @@ class SignatureConfig:
         return replace(self, **changes)
 
 
+#: Longest an untrusted key or value is shown in a message (run.json is another user's file).
+SHOWN_CHARS = 60
+
+
 def run_signature_config(base: SignatureConfig, extra: Mapping[str, Any] | None) -> SignatureConfig:
-    """The config one run is judged with: ``base`` (the daemon's) with the run's own
-    ``signatures`` overrides from its run.json ``extra`` (``attach(..., signatures={...})``).
-    An override the agent did not write (a hand-edited run.json that no longer parses) is ignored:
-    the daemon's config stays in force. Never raises."""
-    try:
-        over = extra.get("signatures") if isinstance(extra, Mapping) else None
-        return base.with_overrides(over) if over else base
-    except (ValueError, TypeError, AttributeError):
-        return base
+    """The config one run is judged with (:func:`merge_run_overrides` without its problems)."""
+    return merge_run_overrides(base, extra)[0]
+
+
+def merge_run_overrides(base: SignatureConfig, extra: Mapping[str, Any] | None
+                        ) -> tuple[SignatureConfig, list[str]]:
+    """``base`` (the daemon's config) with the run's own ``signatures`` overrides from its run.json
+    ``extra`` (``attach(..., signatures={...})``), and what of them was refused.
+
+    run.json is written by the run's owner, not by the daemon's user, and may have been edited by
+    hand after attach checked it: every part is judged on its own. A setting that parses is
+    applied; one that does not (unknown signature or key, wrong type, a value the detector's
+    config rejects) is refused and the daemon's setting for it stays in force. A detector whose
+    config rejects the combination of its keys (``plateau.patience`` below ``plateau.chunk``) is
+    refused whole: half of a combination is not what the run asked for.
+
+    Args:
+        base: the daemon's config.
+        extra: the run's run.json ``extra`` (any JSON value; None: no overrides).
+
+    Returns:
+        ``(config, problems)``: problems are one message per refused part, naming it (keys and
+        values shown as ``repr``, at most :data:`SHOWN_CHARS` characters: no control characters
+        reach a log line) and what to do. Never raises.
+    """
+    over = extra.get("signatures") if isinstance(extra, Mapping) else None
+    if over is None:
+        return base, []
+    fix = "fix extra.signatures in the run's run.json (or attach(..., signatures=...))"
+    if not isinstance(over, Mapping):
+        return base, [f"signature overrides must be a mapping of signature id to settings, got "
+                      f"{type(over).__name__}: none applied; {fix}"]
+    known = {f.name for f in fields(base)}
+    changes: dict[str, Any] = {}
+    problems: list[str] = []
+    for name, sub in over.items():
+        if name not in known:
+            problems.append(f"refused: unknown signature {_shown(name)} (known: {', '.join(sorted(known))}); {fix}")
+            continue
+        if not isinstance(sub, Mapping):
+            problems.append(f"refused: {name} = {_shown(sub)} must be a mapping of settings, e.g. "
+                            f"{{'enabled': false}}; the daemon's {name} settings are kept; {fix}")
+            continue
+        current = getattr(base, name)
+        merged = {f.name: getattr(current, f.name) for f in fields(current)}
+        good = {}
+        for key, value in sub.items():
+            try:
+                good.update(_checked(type(current), name, {key: value}))
+            except ValueError as exc:
+                problems.append(f"refused: {exc}; the daemon's setting is kept; {fix}")
+        if not good:
+            continue
+        merged.update(good)
+        try:
+            changes[name] = _build(type(current), name, merged)
+        except ValueError as exc:
+            problems.append(f"refused together: {name} overrides {_shown(dict(good))} ({exc}); the "
+                            f"daemon's {name} settings are kept; {fix}")
+    return (replace(base, **changes) if changes else base), problems
+
+
+def _shown(x: Any) -> str:
+    """``repr`` of an untrusted value, cut to :data:`SHOWN_CHARS` (repr escapes control characters)."""
+    r = repr(x)
+    return r if len(r) <= SHOWN_CHARS else r[:SHOWN_CHARS - 3] + "..."
 
 
 def _sub_cls(f: Any) -> type:
     return type(f.default_factory())
 
 
-def _build(sub_cls: type, name: str, values: Mapping[str, Any]) -> Any:
+def _checked(sub_cls: type, name: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` coerced to ``sub_cls``'s field types. Raises ValueError naming a bad key."""
     sub_fields = {f.name: f for f in fields(sub_cls)}
     defaults = sub_cls()
     kwargs = {}
     for key, value in values.items():
         if key not in sub_fields:
-            raise ValueError(f"unknown signature config key '{name}.{key}'; known: "
+            raise ValueError(f"unknown signature config key {_shown(f'{name}.{key}')}; known: "
                              f"{', '.join(sorted(sub_fields))}")
         kwargs[key] = _coerce(f"{name}.{key}", str(sub_fields[key].type), getattr(defaults, key),
                               value)
+    return kwargs
+
+
+def _build(sub_cls: type, name: str, values: Mapping[str, Any]) -> Any:
+    kwargs = _checked(sub_cls, name, values)
     try:
         return sub_cls(**kwargs)
     except (TypeError, ValueError) as exc:
@@ -156,18 +223,18 @@ def _coerce(path: str, annotation: str, default: Any, value: Any) -> Any:
         raise ValueError(f"signature config {path} must not be None")
     if isinstance(default, bool) or annotation.startswith("bool"):
         if not isinstance(value, bool):
-            raise ValueError(f"signature config {path} must be true/false, got {value!r}")
+            raise ValueError(f"signature config {path} must be true/false, got {_shown(value)}")
         return value
     if annotation.startswith("int"):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"signature config {path} must be an integer, got {value!r}")
+            raise ValueError(f"signature config {path} must be an integer, got {_shown(value)}")
         return value
     if "float" in annotation:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"signature config {path} must be a number, got {value!r}")
+            raise ValueError(f"signature config {path} must be a number, got {_shown(value)}")
         if not math.isfinite(value):  # a NaN threshold compares false: it silently turned the signature off
             sig = path.split(".")[0]
-            raise ValueError(f"signature config {path} must be a finite number, got {value!r}; to turn "
+            raise ValueError(f"signature config {path} must be a finite number, got {_shown(value)}; to turn "
                              f"the signature off pass {{'{sig}': {{'enabled': False}}}}")
         return float(value)
     return value

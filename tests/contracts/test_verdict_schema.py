@@ -121,3 +121,19 @@ def test_a_spike_finding_with_what_if_and_a_compiled_check_makes_the_whole_verdi
     eager = make_report(Replayed(found, requested_step=40, reproduced=False, max_loss_deviation=0.5), "run8")
     assert (eager.compiled, eager.eager_reproduced, eager.reproduced, eager.max_loss_deviation,
             eager.what_if, eager.reproducibility) == (False, None, False, 0.5, [], None)
+
+
+def test_a_replays_evidence_is_passed_in_whole_never_added_to_after() -> None:
+    """replay/ddp.py added ``fsdp`` to a built Replayed's evidence (3793601); a verdict is built
+    once from what the replay found (make_report), so that evidence is read-only now."""
+    from sentineld.contracts.verdict import Finding, Replayed, make_report  # noqa: PLC0415
+
+    given = {"ddp": {"world_size": 2}}
+    r = Replayed(Finding(3, phase="forward", module="m", where="m"), requested_step=3, reproduced=True,
+                 evidence=given)
+    with pytest.raises(TypeError):
+        r.evidence["fsdp"] = {}  # type: ignore[index]
+    given["late"] = 1  # the caller's dict is copied, not kept
+    v = make_report(r, "run")
+    assert v.evidence == {"ddp": {"world_size": 2}} and type(v.evidence) is dict
+    assert '"world_size": 2' in v.to_json()

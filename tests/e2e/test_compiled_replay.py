@@ -175,3 +175,24 @@ def test_eager_run_verdict_says_not_compiled(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "eager" / "run.json").read_text())["extra"]["compiled"] is False
     report = replay_run(tmp_path / "eager")
     assert (report.phase, report.compiled, report.eager_reproduced) == ("forward", False, None)
+
+
+@pytest.mark.slow
+def test_text_verdict_of_a_compiled_run_shows_the_compiled_evidence(
+        compiled_runs: tuple[Path, dict[str, dict[str, Any]]]) -> None:
+    """On 3793601 the text verdict of a compiled run said nothing of it: not that the replay ran
+    eagerly, nor the note on what to run next, nor the compiled re-run's repro note."""
+    from sentineld.contracts.verdict import render_text
+
+    runs, _counts = compiled_runs
+    made = render_text(replay_run(runs / "c-forward"))
+    assert f"compiled: backend {BACKEND}, replayed eagerly; eager replay made the run's non-finite value: True" \
+        in made, made
+    report = replay_run(runs / "c-transient")
+    text = render_text(report)
+    ev = report.evidence["compiled"]
+    assert "eager replay made the run's non-finite value: False" in text, text
+    assert f"compiled note: {ev['note']}" in text
+    rerun = ev["compiled_rerun"]
+    assert f"compiled re-run ({BACKEND}): loss " in text and "non-finite: False" in text
+    assert f"  {rerun['repro_note']}" in text  # no repro, and why

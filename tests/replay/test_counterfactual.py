@@ -240,3 +240,34 @@ def test_report_marks_the_spike_samples_and_candidates(data_run: Path, tmp_path:
     assert f"step {v.step}: loss spike, cause data, samples [" in html
     assert "What-if candidates" in html and "evidence, not proof" in html
     assert "spike gone" in html  # the dropped-samples row
+
+
+@pytest.mark.usefixtures("at_repo")
+def test_replay_exit_code_follows_the_verdicts_outcome_on_every_captured_step(data_run: Path) -> None:
+    """On 3793601 the exit code came from ``reproduced`` (rebuilt loss == recorded), not the
+    outcome: ``--step 39`` of this capture (a step that did not spike) was a not_reproduced verdict,
+    the daemon's result not_reproduced, and exit 0."""
+    from sentineld.contracts.verdict import verdict_outcome  # noqa: PLC0415
+    from sentineld.replay.main import command  # noqa: PLC0415
+
+    cap = _captures(data_run, "spike")[0]
+    seen = {}
+    for step in range(AT - 4, AT + 3):  # snapshot 36 .. last captured step 42
+        res = CliRunner().invoke(command, [str(data_run), "--json", "--trust", "--capture", str(cap),
+                                           "--step", str(step)])
+        v = json.loads(res.stdout)
+        seen[step] = (verdict_outcome(v), v["reproduced"], res.exit_code)
+    assert seen[AT] == ("localized", True, 0), seen
+    assert all(code == (1 if outcome == "not_reproduced" else 0) for outcome, _r, code in seen.values()), seen
+    # the case that broke: the rebuild matched the recorded loss bitwise, but the step did not spike
+    assert ("not_reproduced", True, 1) in seen.values(), seen
+
+
+def test_exit_codes_of_every_outcome() -> None:
+    from sentineld.contracts.verdict import verdict_exit_code  # noqa: PLC0415
+
+    assert verdict_exit_code({"reproduced": True, "phase": "forward"}) == 0
+    assert verdict_exit_code({"reproduced": True, "phase": "none"}) == 0  # not_localized
+    assert verdict_exit_code({"reproduced": False, "phase": "forward"}) == 1
+    assert verdict_exit_code({"kind": "spike", "reproduced": False, "cause_class": "data"}) == 0
+    assert verdict_exit_code({"kind": "spike", "reproduced": True, "cause_class": "not_reproduced"}) == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from torch import nn
 from sentineld.agent import attach
 from sentineld.contracts.records import StepRecord
 from sentineld.contracts.rundir import read_run_meta
-from sentineld.signatures import SignatureConfig, run_signature_config
+from sentineld.signatures import SignatureConfig, merge_run_overrides, run_signature_config
 from tests.signatures.chain import notifications
 
 LN3 = math.log(3)
@@ -66,3 +67,35 @@ def test_a_hand_edited_override_that_no_longer_parses_keeps_the_daemon_config() 
     assert run_signature_config(base, {"signatures": {"nope": {}}}) is base
     assert run_signature_config(base, {"signatures": "x"}) is base
     assert run_signature_config(base, None) is base
+
+
+def test_a_partly_bad_override_applies_its_valid_settings_and_names_the_rest() -> None:
+    # On 3793601 the one bad key dropped the whole override: plateau stayed on, ratio stayed 10.
+    base = SignatureConfig.from_mapping({"exploding_gradients": {"confirm_steps": 6}})
+    cfg, problems = merge_run_overrides(base, {"signatures": {
+        "plateau": {"enabled": False, "patiense": 3, "patience": "x" * 500},
+        "exploding_gradients": {"ratio": 20}, "oscillation": 5, "nope\n": {}}})
+    assert cfg.plateau == replace(base.plateau, enabled=False)
+    assert cfg.exploding_gradients == replace(base.exploding_gradients, ratio=20.0)
+    assert cfg.oscillation == base.oscillation
+    assert len(problems) == 4, problems
+    assert "'plateau.patiense'" in problems[0]
+    assert "plateau.patience must be an integer, got 'xxx" in problems[1] and len(problems[1]) < 300
+    assert "oscillation = 5 must be a mapping" in problems[2]
+    assert "unknown signature 'nope\\n'" in problems[3] and "\n" not in "".join(problems)
+    assert all("the daemon's" in p or "known:" in p for p in problems)
+
+
+def test_a_combination_its_detector_rejects_is_refused_whole() -> None:
+    base = SignatureConfig()
+    cfg, [problem] = merge_run_overrides(base, {"signatures": {"plateau": {"enabled": False, "patience": 3}}})
+    assert cfg.plateau == base.plateau  # not "off" from half of what was asked
+    assert "plateau.patience must be >= chunk" in problem and "plateau settings are kept" in problem
+
+
+def test_overrides_that_are_not_a_mapping_are_named_too() -> None:
+    base = SignatureConfig()
+    assert merge_run_overrides(base, {"signatures": "x"}) == (base, [
+        "signature overrides must be a mapping of signature id to settings, got str: none applied; fix "
+        "extra.signatures in the run's run.json (or attach(..., signatures=...))"])
+    assert merge_run_overrides(base, {}) == (base, [])

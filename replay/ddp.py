@@ -23,7 +23,7 @@ import contextlib
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -199,29 +199,43 @@ def _rebuild(ddp: Recipe, state: DdpStep, ranks: _Ranks, steps: range, cmp: _Com
 _FIELD = re.compile(r"^batch\[(\d+)\](.*)$")
 
 
-def _attribute(found: Finding, world: int, state: DdpStep) -> list[int]:
-    """The ranks where the first non-finite value was born (micro-batch = rank), and the finding's
-    evidence rewritten to name fields relative to that rank's batch."""
-    ev = found.evidence
+def _attribute(found: Finding, world: int, state: DdpStep) -> tuple[Finding, list[int]]:
+    """``(the finding in the run's terms, the ranks where the first non-finite value was born)``.
+
+    The replay runs the W ranks' batches as W micro-batches of one step (:mod:`.ddp_step`), so
+    the localizer names micro-batches: ``batch[r]...`` fields, ``micro_batch`` r and the W
+    ``micro_losses``. A DDP step has no gradient accumulation (the text verdict said
+    "micro-batch: 2 of 2 (gradient accumulation)" and "input batch, batch[1][0]" for a fault
+    on rank 1 of a plain 2-rank run): fields are renamed relative to the rank's own batch (with
+    their ``rank``), the micro-batch keys become ``rank_losses`` (each rank's loss of the step),
+    and ``where`` names the rank's field. A new Finding; the localizer's is not changed.
+    """
+    ev = {k: v for k, v in found.evidence.items() if k not in ("micro_batch", "micro_losses")}
+    if "micro_losses" in found.evidence:
+        ev["rank_losses"] = found.evidence["micro_losses"]
     if found.phase == "data":
-        ranks = []
-        for f in ev.get("fields", []):
+        ranks, fields = [], []
+        for f in found.evidence.get("fields", []):
             m = _FIELD.match(str(f.get("field", "")))
             if m:
                 ranks.append(int(m.group(1)))
-                f["rank"], f["field"] = int(m.group(1)), "batch" + m.group(2)
-        if ev.get("fields"):
-            ev["field"] = ev["fields"][0]["field"]
-        return sorted(set(ranks))
+                f = {**f, "rank": int(m.group(1)), "field": "batch" + m.group(2)}
+            fields.append(f)
+        where = found.where
+        if fields:
+            ev["fields"], ev["field"] = fields, fields[0]["field"]
+            rank = f" on rank {fields[0]['rank']}" if "rank" in fields[0] else ""
+            where = f"input batch, {fields[0]['field']}{rank}"
+        return replace(found, evidence=ev, where=where), sorted(set(ranks))
     if found.phase in ("forward", "backward"):
-        micro = ev.get("micro_batch")
+        micro = found.evidence.get("micro_batch")
         if isinstance(micro, int):
-            return [micro % world]
+            return replace(found, evidence=ev), [micro % world]
         bad = [r for r, x in enumerate(state.losses) if not math.isfinite(x)]
-        return bad or list(range(world))
+        return replace(found, evidence=ev), bad or list(range(world))
     if found.phase == "optimizer":
-        return list(range(world))  # every rank runs the same step on the same averaged gradients
-    return []
+        return replace(found, evidence=ev), list(range(world))  # every rank: the same averaged gradients
+    return replace(found, evidence=ev), []
 
 
 def replay_ddp(paths: dict[int, Path], make: Callable[[], Recipe], step: int | None,
@@ -287,7 +301,7 @@ def _run(make: Callable[[], Recipe], world: int, ranks: _Ranks, snapshot: dict[s
             state.begin(rngs)
             found = localize(ddp, offending, batches, None, ranks.records.get(0, {}).get(offending))
             cmp.add(offending, state.losses, ranks.losses)
-            born = _attribute(found, world, state)
+            found, born = _attribute(found, world, state)
             if found.phase != "none" or not auto or offending >= ranks.last:
                 break
             offending += 1

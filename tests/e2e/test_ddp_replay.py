@@ -20,6 +20,7 @@ import pytest
 
 from sentineld.contracts.capture import open_capture
 from sentineld.contracts.rundir import list_captures
+from sentineld.contracts.render import render_verdict
 from sentineld.contracts.verdict import render_text
 from sentineld.replay.engine import replay_run
 from tests.conftest import REPO, get_free_port
@@ -111,6 +112,22 @@ def test_two_ranks_fault_is_replayed_from_every_rank(runs2: Path, fault: str) ->
     # Every rank wrote its capture of the offending step, also where only rank 1 went non-finite.
     assert [(c[0], c[1]) for c in caps] == [(0, FAULT_STEP), (1, FAULT_STEP)]
     _check(replay_run(run), fault, 2, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["data", "forward"])
+def test_text_verdict_names_the_rank_not_a_micro_batch(runs2: Path, fault: str) -> None:
+    """Regression: the replay runs the ranks' batches as micro-batches of one step, and the text
+    verdict of a plain 2-rank run said "micro-batch: 2 of 2 (gradient accumulation)" and
+    "module: input batch, batch[1][0]" for a fault in rank 1's batch."""
+    report = replay_run(runs2 / f"w2-{fault}")
+    _title, text = render_verdict(report)
+    assert "micro-batch" not in text and "gradient accumulation" not in text, text
+    assert "micro_batch" not in report.evidence and "micro_losses" not in report.evidence
+    assert len(report.evidence["rank_losses"]) == 2  # each rank's loss of the step, by rank
+    if fault == "data":
+        assert "module: input batch, batch[0] on rank 1\n" in text, text
+        assert report.evidence["fields"][0]["field"] == "batch[0]" and report.evidence["fields"][0]["rank"] == 1
 
 
 @pytest.mark.slow

@@ -74,7 +74,7 @@ def spike_replay(cap_path: Path, make: Callable[[], Recipe], step: int | None, e
             engine = Engine(cap, make)
             engine.state_before(n)
             t1 = time.perf_counter()
-            spike = explain_spike(engine, n)
+            spike = explain_spike(engine, n, flagged=cap.first_step)
             if what:
                 extras = _extras(spike.found, engine, n, cap_path, cap.rank, compiled, repeats, spike=True,
                                  recorded_nonfinite=False)

@@ -62,6 +62,23 @@ def _pick_neighbour(engine: Engine, n: int, spiky: Any) -> int | None:
     return before[-1] if before else (after[0] if after else None)
 
 
+def _calm_step(engine: Engine, n: int, flagged: int | None, recorded: float | None,
+               level: float | None) -> str | None:
+    """Why step ``n`` is no spike to explain (None when it is, or nothing says otherwise): its
+    recorded loss's excess over ``level`` (the median before ``n``) is under :data:`SPIKE_SHARE`
+    of the flagged step's excess over the same level."""
+    if flagged is None or flagged == n or level is None or recorded is None or not math.isfinite(recorded):
+        return None
+    peak = engine.recorded.get(flagged)
+    if peak is None or not math.isfinite(peak) or peak <= level:
+        return None
+    if recorded - level >= SPIKE_SHARE * (peak - level):
+        return None
+    return (f"step {n} did not spike: its recorded loss {recorded:.4g} is {recorded - level:+.3g} from the level "
+            f"{level:.4g} before it, under {SPIKE_SHARE:g} of the excess of the flagged spike at step {flagged} "
+            f"(loss {peak:.4g})")
+
+
 def _module_of(pname: str) -> str:
     return pname.rpartition(".")[0]
 
@@ -164,10 +181,16 @@ def _blame_state(engine: Engine, n: int, e: int, rec: Recipe) -> dict[str, Any]:
     return out
 
 
-def explain_spike(engine: Engine, n: int) -> Replayed:
+def explain_spike(engine: Engine, n: int, flagged: int | None = None) -> Replayed:
     """The 2x2 verdict of step ``n``: a :class:`Finding` of ``kind`` spike (``phase`` none, every
     value being finite), with whether the rebuild reproduced the recorded loss; the caller adds
     where it came from (rank, capture, rebuild).
+
+    ``flagged``: the step the spike rule flagged (the capture's). Another requested step is
+    explained only when its own recorded loss is a spike on that scale (its excess over the
+    level before it at least :data:`SPIKE_SHARE` of the flagged step's); otherwise the verdict is
+    ``not_reproduced``, saying the step did not spike and which one did (a calm step 0.03 above
+    its level was called a data spike: any loss above the reference passed).
 
     Raises:
         ValueError: ``n`` is not a captured step at or after the snapshot.
@@ -178,6 +201,21 @@ def explain_spike(engine: Engine, n: int) -> Replayed:
     this = engine.run(Change("the spiking step as recorded"), n)
     l_nn = this.losses.get(n, math.nan)
     level_guess = statistics.median(earlier) if earlier else None
+    calm = _calm_step(engine, n, flagged, recorded, level_guess)
+    if calm is not None:
+        ev0: dict[str, Any] = {"recorded_loss": recorded, "replayed_loss": l_nn, "flagged_step": flagged,
+                               "level_before": level_guess, "spike_share": SPIKE_SHARE,
+                               "recorded_losses": {str(s): v for s, v in sorted(engine.recorded.items())},
+                               "rebuilt_losses": {str(s): v for s, v in
+                                                  sorted({**engine.rebuilt.losses, n: l_nn}.items()) if s <= n}}
+        found = Finding(n, kind="spike", cause_class="not_reproduced", evidence=ev0, cause=calm,
+                        fix=f"replay the flagged step: sentineld replay RUN --step {flagged} (the default)")
+        dev = engine.rebuilt.max_deviation
+        if recorded is not None and math.isfinite(l_nn) and not same_loss(l_nn, recorded):
+            dev = max(dev, abs(l_nn - recorded))
+        return Replayed(found, requested_step=n, max_loss_deviation=dev,
+                        localize_s=round(time.perf_counter() - t0, 4),
+                        reproduced=engine.rebuilt.equal and recorded is not None and same_loss(l_nn, recorded))
     peak = recorded if recorded is not None and math.isfinite(recorded) else l_nn
 
     def spiky(v: float | None) -> bool:

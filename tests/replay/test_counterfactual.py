@@ -271,3 +271,29 @@ def test_exit_codes_of_every_outcome() -> None:
     assert verdict_exit_code({"reproduced": False, "phase": "forward"}) == 1
     assert verdict_exit_code({"kind": "spike", "reproduced": False, "cause_class": "data"}) == 0
     assert verdict_exit_code({"kind": "spike", "reproduced": True, "cause_class": "not_reproduced"}) == 1
+
+
+def test_a_calm_step_of_a_spike_capture_is_no_spike_to_explain(data_run: Path) -> None:
+    """Regression: ``--step 37`` / ``38`` of this capture (recorded losses 0.38 / 0.40 against a
+    level of ~0.35; the spike at AT is far above) were explained as data spikes: any loss above
+    the reference passed. A requested step spikes only on the flagged spike's scale."""
+    cap = _captures(data_run, "spike")[0]
+    for step in range(AT - 3, AT + 3):  # the planted spike is one batch (AT): every other step is calm
+        res = CliRunner().invoke(command_of_replay(), [str(data_run), "--json", "--trust", "--capture", str(cap),
+                                                       "--step", str(step)])
+        v = json.loads(res.stdout)
+        if step == AT:
+            assert v["cause_class"] == "data" and res.exit_code == 0, v
+            continue
+        rec, level = v["evidence"]["recorded_loss"], v["evidence"]["level_before"]
+        peak = v["evidence"]["recorded_losses"][str(AT)]
+        assert rec - level < 0.5 * (peak - level), v
+        assert v["cause_class"] == "not_reproduced" and res.exit_code == 1, v
+        assert v["evidence"]["flagged_step"] == AT and f"step {step} did not spike" in v["cause"], v
+        assert f"--step {AT}" in v["fix"], v
+
+
+def command_of_replay():  # noqa: ANN201 - the click command (imported late: the CLI imports torch lazily)
+    from sentineld.replay.main import command  # noqa: PLC0415
+
+    return command

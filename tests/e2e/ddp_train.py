@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sentineld.agent import attach
 from sentineld.demo_model import load_digits_tensors, make_recipe
+from dist_exit import leave  # a sibling: this script is run by path (tests/e2e is sys.path[0]), no PYTHONPATH
 
 
 def worker(rank: int, world: int, runs_dir: str, run_id: str, port: int, nan_step: int, steps: int) -> None:
@@ -37,8 +38,9 @@ def worker(rank: int, world: int, runs_dir: str, run_id: str, port: int, nan_ste
         opt.step()
         watch.step(loss, batch=(x, y))
     watch.close()
-    dist.barrier()  # no rank tears gloo down while its peer still works (tests/e2e/dist_exit.py)
-    dist.destroy_process_group()
+    # barrier, destroy, os._exit (tests/e2e/dist_exit.py): a spawned child otherwise ends through
+    # the interpreter's exit-time destructors, where gloo aborted rank 0 of fsdp_reload.py in CI
+    leave()
 
 
 if __name__ == "__main__":

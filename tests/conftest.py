@@ -125,7 +125,8 @@ def http_sink() -> Iterator[tuple[int, HttpSink]]:
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    t = threading.Thread(target=server.serve_forever, daemon=True)
+    # polls for shutdown every 0.05 s, not serve_forever's 0.5 s: each teardown waited it out (issue 23)
+    t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     t.start()
     try:
         yield int(server.server_address[1]), sink

@@ -28,7 +28,8 @@ class SlowSink:
         self.lock = threading.Lock()
         handler = self._handler()
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        # shutdown is seen within 0.05 s, not serve_forever's 0.5 s poll (issue 23)
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         self.url = f"json://127.0.0.1:{self.server.server_address[1]}/hook"
 
     def _handler(self) -> type:

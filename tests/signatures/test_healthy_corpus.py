@@ -5,7 +5,8 @@ Every run is real torch training recorded through the real agent into its run di
 (:mod:`tests.signatures.corpus`, :mod:`tests.signatures.corpus_frameworks`); its stream is read
 back as the daemon reads it, and the daemon's chain (signatures, unresolved, policy:
 :mod:`tests.signatures.chain`) runs over it once per record. Each run is recorded once per
-session (a module-scoped fixture). A notification is an alert or a RESOLVED notice.
+session (tests/signatures/conftest.py, shared with test_spike_corpus_reads.py). A notification is
+an alert or a RESOLVED notice.
 """
 
 from __future__ import annotations
@@ -20,18 +21,13 @@ import pytest
 from sentineld.contracts.records import StepRecord
 from tests.conftest import REPO
 from tests.signatures.chain import notifications
-from tests.signatures.corpus import FAULT_RUNS, HEALTHY_RUNS, Run, read_records, record_all
+from tests.signatures.corpus import FAULT_RUNS, HEALTHY_RUNS, Run, read_records
 from tests.signatures.corpus_frameworks import RUNS as FRAMEWORK_RUNS
 
 #: steps from the planted fault to its alert, at most (the signatures' stated latencies:
 #: tests/signatures/scenarios.py; plateau is judged after its 100-step patience)
 LATENCY = {"vanishing_gradients": 10, "exploding_gradients": 4, "plateau": 100, "update_ratio": 15,
            "nonfinite": 0, "divergence_spike": 3}
-
-
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[StepRecord], float]]:
-    return record_all(HEALTHY_RUNS + FAULT_RUNS, tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.mark.parametrize("run", HEALTHY_RUNS, ids=[r.name for r in HEALTHY_RUNS])

@@ -4,7 +4,7 @@ rules that now judge every new record (``loss_spike``, ``divergence_spike``) sta
 healthy runs, and the planted divergence still fires within its latency.
 
 (``tests/signatures/test_healthy_corpus.py`` evaluates one record per read; this is the other
-extreme. It records the corpus again, ~40 s: a shared fixture would save that.)
+extreme. Both read the corpus recorded once per session: tests/signatures/conftest.py.)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from sentineld.contracts.records import StepRecord
 from sentineld.signatures import SignatureConfig, evaluate
-from tests.signatures.corpus import FAULT_RUNS, HEALTHY_RUNS, record_all
+from tests.signatures.corpus import FAULT_RUNS, HEALTHY_RUNS
 
 RULES = ("loss_spike", "divergence_spike")
 
@@ -29,11 +29,6 @@ def _read_in_slices(records: list[StepRecord], num_classes: int | None, seed: in
                                                          num_classes=num_classes, new=k)
                 if v.signature in RULES}
     return out
-
-
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[StepRecord], float]]:
-    return record_all(HEALTHY_RUNS + FAULT_RUNS, tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.mark.slow

@@ -24,6 +24,8 @@ from sentineld.contracts.treecodec import map_tensors
 from sentineld.contracts.triggers import NONFINITE, SPIKE
 from sentineld.signatures.spike import SpikeTracker
 
+from .ring import walk_tensors
+
 __all__ = ["Incident", "IncidentPolicy", "batch_check", "params_nonfinite"]
 
 
@@ -112,7 +114,7 @@ def batch_check(batch: Any) -> torch.Tensor | None:
             sums.append(t.detach().sum(dtype=torch.float32))
         return t
 
-    map_tensors(batch, add)
+    walk_tensors(batch, add)  # (map_tensors' result, by exact type first: agent/ring.py)
     if not sums:
         return None
     if len(sums) == 1:

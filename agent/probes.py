@@ -64,10 +64,10 @@ from sentineld.contracts.records import LayerStats
 
 from .acthooks import ActivationProbe
 from .readback import GradNorms
-from .sampling import DENSE_STEPS, full_at, sampled_at
+from .sampling import DENSE_STEPS, full_at, norms_at, sampled_at
 from .sharded import local
 
-__all__ = ["ProbeHandle", "attach_probes", "sampled_at", "full_at", "DENSE_STEPS"]
+__all__ = ["ProbeHandle", "attach_probes", "sampled_at", "full_at", "norms_at", "DENSE_STEPS"]
 
 log = logging.getLogger("sentineld.agent")
 
@@ -132,7 +132,8 @@ class ProbeHandle:
         #: Why the probes switched themselves off (one line), or None; the recorder streams it once.
         self.failure: str | None = None
         self._active = False
-        self._full = False          # this sampled step also takes norms and update ratios
+        self._norms_on = False      # this sampled step also takes per-module grad/param norms
+        self._full = False          # ... and update ratios (a parameter copy around the step)
         self._step: int | None = None
         self._first: int | None = None
         self._optimizers = list(optimizers)
@@ -175,7 +176,8 @@ class ProbeHandle:
             self._first = step
         self._step = step
         self._active = self.enabled and sampled_at(step, self.every, self.dense, self._first)
-        self._full = self._active and full_at(step, self.every, self.dense, self._first)
+        self._norms_on = self._active and norms_at(step, self.every, self.dense, self._first)
+        self._full = self._norms_on and full_at(step, self.every, self.dense, self._first)
         if self._active:
             try:
                 self._acts.start()
@@ -194,7 +196,7 @@ class ProbeHandle:
             return None
         self._active = False
         try:
-            return self._collect(self._full)
+            return self._collect(self._norms_on, self._full)
         except Exception as exc:  # noqa: BLE001 - never break training
             self._fail(exc)
             return None
@@ -217,10 +219,11 @@ class ProbeHandle:
         self.remove()
 
     def grad_norms(self) -> GradNorms | None:
-        """On a full sample, the dict the agent's global grad norm fills with its per-parameter
-        norms (:func:`~.readback.grad_norm`, taken in the optimizer's step pre-hook before this
-        handle's): the probes reuse those of the gradients still unchanged. None on other steps."""
-        if not self._full:
+        """On a step that takes per-module norms (:func:`norms_at`), the dict the agent's global
+        grad norm fills with its per-parameter norms (:func:`~.readback.grad_norm`, taken in the
+        optimizer's step pre-hook before this handle's): the probes reuse those of the gradients
+        still unchanged. None on other steps."""
+        if not self._norms_on:
             return None
         self._shared.clear()
         return self._shared
@@ -228,11 +231,12 @@ class ProbeHandle:
     # ------------------------------------------------------------------- hooks
 
     def _on_pre_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._full:
+        if not self._norms_on:
             return
         try:
             params = [p for g in opt.param_groups for p in g["params"]
-                      if id(p) in self._tracked and id(p) not in self._before]
+                      if id(p) in self._tracked and id(p) not in self._seen]
+            self._seen.update(id(p) for p in params)   # a second step() of the step: not again
             with torch.no_grad():
                 grads = [(p, p.grad) for p in params if p.grad is not None]
                 shared, need = self._shared, []
@@ -249,6 +253,8 @@ class ProbeHandle:
                 for (p, g), n in zip(need, _norms([g for _, g in need])):
                     self._gnorm[id(p)] = n
                     self._gsrc[id(p)] = g          # kept until collect: an inf norm is re-taken
+                if not self._full:
+                    return                         # norms only: no copy, no update ratio
                 for p, n in zip(params, _norms([p.detach() for p in params])):
                     self._wbefore[id(p)] = n
                 for p in params:
@@ -289,9 +295,11 @@ class ProbeHandle:
         self._before: dict[int, torch.Tensor] = {}
         self._delta: dict[int, torch.Tensor] = {}
         self._gsrc: dict[int, torch.Tensor] = {}
+        self._seen: set[int] = set()   # parameters the step pre-hook measured this step
         self._shared: GradNorms = {}   # filled by the global grad norm (grad_norms)
         self._stepped = False
         self._full = False
+        self._norms_on = False
 
     def _before_of(self, p: torch.Tensor) -> Callable[[], torch.Tensor] | None:
         """w_before of ``p`` on demand: its copy holds w_before - w_after once the step ran."""
@@ -314,7 +322,7 @@ class ProbeHandle:
         self._active = False
         self._reset()
 
-    def _collect(self, full: bool) -> dict[str, LayerStats]:
+    def _collect(self, norms: bool, full: bool) -> dict[str, LayerStats]:
         vals: list[torch.Tensor] = []   # every figure, read back in one transfer
         srcs: list[Callable[[], torch.Tensor] | None] = []   # the tensor a norm was taken of
 
@@ -334,7 +342,7 @@ class ProbeHandle:
                 raise self._acts.error
             act_slots = [(site, kind, slot(frac)) for site, kind, frac in self._acts.fractions()]
             mod_slots = []
-            param_mods = self._param_mods if full else []   # activations only on the other steps
+            param_mods = self._param_mods if norms else []   # activations only on the other steps
             missing = [p for _, ps in param_mods for p in ps
                        if id(p) not in self._gnorm and p.grad is not None]
             late = dict(zip((id(p) for p in missing), _norms([p.grad for p in missing])))  # type: ignore[misc]
@@ -345,7 +353,7 @@ class ProbeHandle:
                 w = [next(now_norms) for _ in params]
                 entry = {"grad": [slot(x, of(src)) for x, src in g if x is not None],
                          "w": [slot(x, of(p.detach())) for p, x in zip(params, w)]}
-                if self._optimizers:
+                if self._optimizers and full:
                     entry["wb"] = [slot(self._wbefore.get(id(p), wn), self._before_of(p))
                                    for p, wn in zip(params, w)]
                     entry["d"] = [slot(self._delta.get(id(p)), of(self._before.get(id(p)))) for p in params]

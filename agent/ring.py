@@ -8,7 +8,7 @@ it is still clean.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -16,7 +16,7 @@ import torch
 
 from sentineld.contracts.treecodec import map_tensors
 
-__all__ = ["RingEntry", "Snapshot", "Ring", "HostCopies", "to_host", "to_host_sized", "tree_nbytes"]
+__all__ = ["RingEntry", "Snapshot", "Ring", "HostCopies", "to_host", "to_host_sized", "tree_nbytes", "walk_tensors"]
 
 
 @dataclass
@@ -66,7 +66,7 @@ def _walk(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         return tuple([_walk(v, fn) for v in tree])  # a list comprehension: no generator frames
     if tp is list:
         return [_walk(v, fn) for v in tree]
-    if tp is dict:
+    if tp is dict or tp is OrderedDict:  # (a state_dict is an OrderedDict; map_tensors gives a dict too)
         return {k: _walk(v, fn) for k, v in tree.items()}
     if tp in _PLAIN:
         return tree
@@ -74,6 +74,12 @@ def _walk(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 
 _PLAIN = (int, float, str, bool, type(None), bytes)
+
+
+def walk_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``map_tensors(tree, fn)`` (same result), with plain tuples, lists and dicts walked by exact
+    type first: a few microseconds per step instead of ~25 us of map_tensors' generic checks."""
+    return _walk(tree, fn)
 
 
 def to_host(tree: Any) -> Any:

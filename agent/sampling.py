@@ -3,7 +3,7 @@ back-off, the steady cadence, and which sampled steps are full. Pure functions o
 
 from __future__ import annotations
 
-__all__ = ["DENSE_STEPS", "sampled_at", "full_at"]
+__all__ = ["DENSE_STEPS", "sampled_at", "full_at", "norms_at"]
 
 #: Steps sampled one after the other at the start of a run. 16: a learning rate high enough to
 #: kill units does so within the first few steps (tests/signatures/test_dead_onset.py: step ~2);
@@ -37,22 +37,42 @@ def sampled_at(step: int, every: int, dense: int = DENSE_STEPS, first: int = 0) 
 
 
 def full_at(step: int, every: int, dense: int = DENSE_STEPS, first: int = 0) -> bool:
-    """True when step ``step`` is a full sample: per-module norms and update ratios as well as
-    the activations. A sampled step (:func:`sampled_at`) that is not a full one measures the
-    activations only (one max reduction per activation call).
+    """True when step ``step`` is a full sample: update ratios (a copy of the parameters around
+    the optimizer step, two more norm passes) as well as the norms and activations of
+    :func:`norms_at`.
 
     Args:
         step, every, dense, first: as for :func:`sampled_at`.
 
     Returns:
-        With ``r = step - first``: in the dense head (r < ``dense``) only r = 0, 1, 2, 4, 8 and
-        the steps of the steady cadence (``step % every == 0``; all of them for ``every`` = 1);
-        the head's other steps are activation-only (an early death is seen at once, the norms of
-        the first steps at a doubling gap); from there on every sampled step. So of the 73
-        sampled steps among a run's first 200 (``every`` = 50), 62 are full, and each full one
-        costs four fused float32 norm passes and one parameter copy (:func:`_norms`).
+        With ``r = step - first``, a sampled step (:func:`sampled_at`) that is r = 0 or a power
+        of two, or on the steady cadence (``step % every == 0``; all of them for ``every`` = 1).
+        So of the 73 sampled steps among a run's first 200 (``every`` = 50), 11 are full (0, 1,
+        2, 4, 8, 16, 32, 50, 64, 100, 128), and of those between steps 400 and 1000 three (400,
+        512, 800). The update-based rules (``update_ratio``, ``gradients_not_applied``) read full
+        samples; the gradient rules (``missing_gradients``, ...) every :func:`norms_at` step.
     """
     r = step - first
-    if 0 <= r < dense:
-        return r & (r - 1) == 0 or step % every == 0
-    return sampled_at(step, every, dense, first)
+    if not sampled_at(step, every, dense, first):
+        return False
+    return r >= 0 and (r & (r - 1) == 0 or step % every == 0)
+
+
+def norms_at(step: int, every: int, dense: int = DENSE_STEPS, first: int = 0) -> bool:
+    """True when step ``step`` takes the per-module grad and parameter norms (a :func:`full_at`
+    step, or any sampled step past the dense head).
+
+    The grad norms come for free from the per-parameter norms the global grad norm takes anyway
+    (``agent/readback.py`` ``grad_norm``), the parameter norms are one fused pass: so every
+    sampled step of the back-off reports them, and a module that loses its gradient (a layer
+    detached mid-run) is named within a few steps (``missing_gradients``: three samples;
+    tests/signatures/test_runs.py bounds it at 10 steps). The dense head's other steps measure
+    the activations only (one max reduction per activation call), as before.
+
+    Args:
+        step, every, dense, first: as for :func:`sampled_at`.
+    """
+    r = step - first
+    if not sampled_at(step, every, dense, first):
+        return False
+    return r >= dense or full_at(step, every, dense, first)

@@ -174,12 +174,16 @@ def trailing(records: Sequence[StepRecord]) -> Iterator[StepRecord]:
         yield records[i]
 
 
-def sampled_layers(records: Sequence[StepRecord], count: int
+def sampled_layers(records: Sequence[StepRecord], count: int, need: str = "param_norm"
                    ) -> list[tuple[StepRecord, Mapping[str, LayerStats]]]:
     """The last ``count`` records that carry per-layer norms and whose optimizer step ran,
     oldest first. Scans back only as far as needed. A record whose layers hold activation
-    figures only (the agent's activation-only samples, ``agent/probes.py`` ``full_at``) is no
-    sample of per-layer norms and is passed over."""
+    figures only (the agent's activation-only samples, ``agent/sampling.py`` ``norms_at``) is no
+    sample of per-layer norms and is passed over.
+
+    ``need``: the :class:`LayerStats` field a record's layers must report (some module not
+    None) to count: ``"param_norm"`` for the norm rules; ``"update_ratio"`` for the update
+    rules, which only the agent's full samples measure (``agent/sampling.py`` ``full_at``)."""
     out: list[tuple[StepRecord, Mapping[str, LayerStats]]] = []
     if count <= 0:
         return out
@@ -187,7 +191,7 @@ def sampled_layers(records: Sequence[StepRecord], count: int
         layers = getattr(r, "layers", None)
         if not layers or not isinstance(layers, Mapping) or getattr(r, "optimizer_skipped", False):
             continue
-        if not any(getattr(st, "param_norm", None) is not None for st in layers.values()):
+        if not any(getattr(st, need, None) is not None for st in layers.values()):
             continue
         out.append((r, layers))
         if len(out) == count:

@@ -158,7 +158,7 @@ def _zero_lr(records: Sequence[StepRecord], config: NotAppliedConfig) -> list[Ve
 
 
 def _modules_not_updated(records: Sequence[StepRecord], config: NotAppliedConfig) -> list[Verdict]:
-    samples = sampled_layers(records, config.layer_patience)
+    samples = sampled_layers(records, config.layer_patience, need="update_ratio")
     if len(samples) < config.layer_patience:
         return []
     frozen: set[str] | None = None
@@ -223,7 +223,7 @@ def detect_update_ratio(records: Sequence[StepRecord], config: UpdateRatioConfig
     """
     if not config.enabled:
         return []
-    samples = sampled_layers(records, config.patience)
+    samples = sampled_layers(records, config.patience, need="update_ratio")
     if not samples:
         return []
     per_sample = [_moving_ratios(layers) for _, layers in samples]

@@ -35,11 +35,15 @@ def sharded_recipe(world: int):  # noqa: ANN201 - the test's own helper
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
-def segment(runs_dir: str, run_id: str, fault: str, fault_rank: int, fault_step: int, steps: int) -> None:
+def segment(runs_dir: str, run_id: str, fault: str, fault_rank: int, fault_step: int, steps: int,
+            build=sharded_recipe, recipe: str = "tests.e2e.ddp_model:make_recipe",  # noqa: ANN001
+            loss=loss_fn) -> None:  # noqa: ANN001 - the test's own helper
+    """One run: ``build(world)`` gives the sharded model and its optimizer, ``recipe`` names the
+    replay's recipe, ``loss(model, batch)`` the loss; the batches of :func:`batch_for`."""
     rank = dist.get_rank()
-    model, opt = sharded_recipe(dist.get_world_size())
+    model, opt = build(dist.get_world_size())
     watch = attach(model, opt, run_id=run_id, runs_dir=runs_dir, metrics_port=0, flush_s=0.2,
-                   snapshot_every=4, layer_every=0, recipe="tests.e2e.ddp_model:make_recipe")
+                   snapshot_every=4, layer_every=0, recipe=recipe)
     for step in range(steps):
         if step == TRUTH_STEP:  # the whole parameters before the snapshot's step, for the reload tests
             full = {n: p.full_tensor() for n, p in model.named_parameters()}  # collective: every rank
@@ -47,10 +51,10 @@ def segment(runs_dir: str, run_id: str, fault: str, fault_rank: int, fault_step:
                 torch.save(full, f"{runs_dir}/{run_id}.truth.pt")
         batch = batch_for(rank, step, fault, fault_rank, fault_step)
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model, batch)
-        loss.backward()
+        loss_value = loss(model, batch)
+        loss_value.backward()
         opt.step()
-        watch.step(loss, batch=batch)
+        watch.step(loss_value, batch=batch)
     watch.close()
 
     dist.barrier()

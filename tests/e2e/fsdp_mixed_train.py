@@ -51,37 +51,31 @@ def make_recipe(seed: int = 0) -> Recipe:
                   num_classes=4)
 
 
-def main() -> None:
+def sharded_mixed(world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The recipe's model, fc1, head and the root each ``fully_shard``-ed with the bfloat16 policy,
+    and Adam over its DTensors."""
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
 
-    from sentineld.agent import attach  # noqa: PLC0415
-    from tests.e2e.ddp_model import batch_for  # noqa: PLC0415
+    model = make_recipe().model
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=PARAM_DTYPE, reduce_dtype=REDUCE_DTYPE)
+    for unit in (model.fc1, model.head, model):
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def main() -> None:
     from tests.e2e.dist_exit import leave  # noqa: PLC0415
+    from tests.e2e.fsdp_faults_train import segment  # noqa: PLC0415
 
     runs_dir, job = sys.argv[1], sys.argv[2]
     fault_rank, fault_step, steps = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    policy = MixedPrecisionPolicy(param_dtype=PARAM_DTYPE, reduce_dtype=REDUCE_DTYPE)
     for fault in sys.argv[6:]:
-        model = make_recipe().model
-        mesh = init_device_mesh("cpu", (world,))
-        for unit in (model.fc1, model.head, model):
-            fully_shard(unit, mesh=mesh, mp_policy=policy)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        watch = attach(model, opt, run_id=f"{job}-{fault}", runs_dir=runs_dir, metrics_port=0, flush_s=0.2,
-                       snapshot_every=4, layer_every=0, recipe="tests.e2e.fsdp_mixed_train:make_recipe")
-        for step in range(steps):
-            batch = batch_for(rank, step, fault, fault_rank, fault_step)
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model, batch)
-            loss.backward()
-            opt.step()
-            watch.step(loss, batch=batch)
-        watch.close()
-        dist.barrier()
+        segment(runs_dir, f"{job}-{fault}", fault, fault_rank, fault_step, steps, build=sharded_mixed,
+                recipe="tests.e2e.fsdp_mixed_train:make_recipe", loss=loss_fn)
     leave()
 
 

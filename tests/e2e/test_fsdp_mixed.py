@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -109,6 +110,6 @@ def test_a_malformed_units_record_is_refused_with_its_reason(runs: Path, tmp_pat
     ([{"module": "fc1", "cast_forward_inputs": "yes"}], "[0].cast_forward_inputs is 'yes', not a boolean"),
 ])
 def test_read_units_refuses_what_the_agent_never_writes(raw: object, says: str) -> None:
-    with pytest.raises(BadInput, match="extra.fsdp_units " + __import__("re").escape(says)):
+    with pytest.raises(BadInput, match="extra.fsdp_units " + re.escape(says)):
         read_units({"fsdp_units": raw})
     assert read_units({}) is None

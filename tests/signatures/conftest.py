@@ -10,17 +10,21 @@ from pathlib import Path
 import pytest
 
 from sentineld.contracts.records import StepRecord
+from tests.shared_once import shared_once
 from tests.signatures.corpus import FAULT_RUNS, HEALTHY_RUNS, read_records, record
 
 
 @pytest.fixture(scope="session")
 def _corpus_run_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, float]]:
-    """Every healthy and fault run trained once under the agent: ``name -> (run dir, seconds)``."""
-    runs_dir, out = tmp_path_factory.mktemp("corpus"), {}
-    for run in HEALTHY_RUNS + FAULT_RUNS:
-        t = time.perf_counter()
-        out[run.name] = (record(run, runs_dir), time.perf_counter() - t)
-    return out
+    """Every healthy and fault run trained once under the agent (once per test run, also across
+    xdist workers): ``name -> (run dir, seconds)``."""
+    def build(runs_dir: Path) -> dict[str, tuple[str, float]]:
+        out = {}
+        for run in HEALTHY_RUNS + FAULT_RUNS:
+            t = time.perf_counter()
+            out[run.name] = (str(record(run, runs_dir)), time.perf_counter() - t)
+        return out
+    return {name: (Path(d), s) for name, (d, s) in shared_once(tmp_path_factory, "corpus", build).items()}
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ the training takes them (format: :mod:`sentineld.contracts.ringformat`; recovery
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -13,19 +14,42 @@ import socket
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from sentineld.contracts.h5write import disk_full_error
-from sentineld.contracts.ringformat import LOCK_FILE, META_FILE, Packer, RingMeta, snap_file, step_file, write_ring_file
+from sentineld.contracts.ringformat import LOCK_FILE, META_FILE, Packer, RingMeta, segment_file, snap_file
+from sentineld.contracts.ringrecord import MAGIC, encode_record, write_all, write_ring_file
 from sentineld.contracts.rundir import RunDir
-from sentineld.contracts.safeio import write_atomic
+from sentineld.contracts.safeio import SafeDir, write_atomic
 
-__all__ = ["DiskRingWriter"]
+__all__ = ["DiskRingWriter", "segment_steps"]
 
 log = logging.getLogger("sentineld.diskring")
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC
+
+
+def segment_steps(window: int) -> int:
+    """K, the most step records in one segment file: ``window // 4``, within 4..32.
+
+    A segment costs the kernel's file create, free-space check and unlink once (about 0.5 ms of
+    CPU on ext4, what one file per step cost every step): 32 steps spread it to ~15 us a step.
+    The bound on disk is about ``window + K`` steps, so K stays at most a quarter of the window
+    (default window 256: K = 32, at most 288 steps on disk).
+    """
+    return max(4, min(32, window // 4))
+
+
+@dataclass(eq=False)
+class _Segment:
+    name: str
+    fd: int
+    size: int
+    count: int = 0
 
 
 class DiskRingWriter:
@@ -33,13 +57,15 @@ class DiskRingWriter:
 
     The training thread only queues references to host copies it already made (bounded queue of
     ``window`` items; when the disk falls behind, items are dropped and counted, never waited
-    for). One warning is logged for the first write that fails (e.g. a full disk); training goes
-    on and later writes are still tried.
+    for). Steps are appended to segment files of :func:`segment_steps` records each, snapshots
+    written one file each. One warning is logged for the first write that fails (e.g. a full
+    disk); training goes on and later writes are still tried.
 
     Args:
         run_dir: the run directory.
         rank: this process's rank.
-        window: most steps kept on disk.
+        window: most steps kept on disk (plus those sharing a segment with them: at most
+            ``window + segment_steps(window)``).
         run_id: the run's id, and ``torch_version`` the training's torch, for ``meta.json``
             (:class:`~sentineld.contracts.ringformat.RingMeta`; the crash capture's attributes).
         on_warning: called once with the warning text (the agent puts it in the stream).
@@ -67,14 +93,19 @@ class DiskRingWriter:
         write_atomic(init / META_FILE, meta.to_json(), durable=False)
         os.rename(init, d)
         self.dir = d
+        self._at = SafeDir.open(d)  # every file is made and deleted relative to it (no path re-resolved)
         self.window = window
+        #: most step records in one segment (:func:`segment_steps`)
+        self.segment_steps = segment_steps(window)
         self.dropped = 0
         self.written = 0
         self.failures = 0
         self._on_warning = on_warning
         self._warned = False
         self._snaps: list[int] = []
-        self._steps: list[int] = []
+        self._steps: deque[tuple[int, _Segment]] = deque()  # on disk, oldest first
+        self._segments: deque[_Segment] = deque()  # on disk, oldest first; the last may be open
+        self._open: _Segment | None = None
         self._max_items = max(2, window)
         self._items: deque[tuple[str, Any, Any]] = deque()
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
@@ -148,11 +179,10 @@ class DiskRingWriter:
         step = int(snap.step)
         pk = Packer()
         header = {"kind": "snap", "step": step, "snapshot": pk.tree(dict(snap.state))}
-        write_ring_file(self.dir / snap_file(step), header, pk)
+        write_ring_file(self._at, snap_file(step), header, pk)
         self._snaps.append(step)
         while len(self._snaps) > 2:
-            old = self._snaps.pop(0)
-            (self.dir / snap_file(old)).unlink(missing_ok=True)
+            self._at.unlink(snap_file(self._snaps.pop(0)))
         self._prune()
 
     def _write_step(self, entry: Any, event: Any) -> None:
@@ -167,16 +197,76 @@ class DiskRingWriter:
 
             meta, arrays = rng_to_json(dict(entry.rng))
             header["rng"] = {"meta": meta, "arrays": {k: pk.add(np.asarray(v)) for k, v in arrays.items()}}
-        write_ring_file(self.dir / step_file(step), header, pk)
-        self._steps.append(step)
+        bufs, size = encode_record(header, pk)
+        seg = self._segment(step, size)
+        try:
+            write_all(seg.fd, bufs)
+        except BaseException:
+            self._abandon(seg)
+            raise
+        seg.size += size
+        seg.count += 1
+        self._steps.append((step, seg))
         self._prune()
 
+    def _segment(self, step: int, size: int) -> _Segment:
+        """The open segment, or a new one (named after ``step``) when it holds K records.
+
+        Raises:
+            OSError: ``ENOSPC`` when the disk has not room for K records like this one (+ 1 MiB):
+                checked once a segment, so a full disk fails here, before any write.
+        """
+        seg = self._open
+        if seg is not None and seg.count < self.segment_steps:
+            return seg
+        self._close_segment()
+        st = os.fstatvfs(self._at.fd)
+        free, need = st.f_bavail * st.f_frsize, self.segment_steps * size + (1 << 20)
+        if free < need:
+            raise OSError(errno.ENOSPC, f"no space left on device in {self.dir} ({free} bytes free, about "
+                                        f"{need} needed for {self.segment_steps} steps)")
+        name = segment_file(step)
+        fd = os.open(name, _CREATE, 0o600, dir_fd=self._at.fd)
+        seg = _Segment(name, fd, 0)
+        self._segments.append(seg)
+        self._open = seg
+        try:
+            write_all(fd, [MAGIC])
+        except BaseException:
+            self._abandon(seg)
+            raise
+        seg.size = len(MAGIC)
+        return seg
+
+    def _abandon(self, seg: _Segment) -> None:
+        """After a failed write: cut ``seg`` back to its last whole record (a later record must
+        never follow a partial one) and close it; the next step opens a new segment, checking the
+        free space again. Deleted when it holds no record."""
+        try:
+            os.ftruncate(seg.fd, seg.size)
+        except OSError:
+            pass  # the reader stops at the partial record: it is the last thing in the file
+        self._close_segment()
+        if seg.count == 0:
+            self._at.unlink(seg.name)
+            self._segments.remove(seg)
+
+    def _close_segment(self) -> None:
+        seg, self._open = self._open, None
+        if seg is not None:
+            os.close(seg.fd)
+            seg.fd = -1
+
     def _prune(self) -> None:
+        """Forget the steps no longer needed (beyond ``window``, or before the older snapshot);
+        delete each closed segment none of whose steps is still needed."""
         oldest = self._snaps[0] if self._snaps else None
         while self._steps and (len(self._steps) > self.window or
-                               (oldest is not None and self._steps[0] < oldest)):
-            old = self._steps.pop(0)
-            (self.dir / step_file(old)).unlink(missing_ok=True)
+                               (oldest is not None and self._steps[0][0] < oldest)):
+            self._steps.popleft()
+        keep = self._steps[0][1] if self._steps else self._open
+        while self._segments and self._segments[0] is not keep and self._segments[0] is not self._open:
+            self._at.unlink(self._segments.popleft().name)
 
     # ------------------------------------------------------------ lifetime
     def flush(self, timeout_s: float = 30.0) -> None:
@@ -191,6 +281,9 @@ class DiskRingWriter:
         self._stop = True
         self._wake.put(None)
         self._thread.join(timeout_s)
+        if not self._thread.is_alive():  # else it may still be writing: its descriptors stay
+            self._close_segment()
+            self._at.close()
         if remove:
             shutil.rmtree(self.dir, ignore_errors=True)
         try:

@@ -9,8 +9,9 @@ with the 10th-90th percentile. The disk ring writes on a background thread, so i
 up as CPU time (HDF5 serialisation, holding the GIL) more than as wall time on an idle core; on
 a machine whose cores are all busy, the CPU ratio is the figure to read.
 
-Also printed: bytes written to disk per step by the ring, and the ring's size on disk at the end
-(bounded: two snapshots and ``window`` steps).
+Also printed: items (steps and snapshots) the ring wrote per step, and the ring's size and file
+count on disk at the end (bounded: two snapshots and ``window`` steps, plus the steps sharing a
+segment file with them: steps are appended to segments of K records, ``sentineld.agent.diskring``).
 
 Run: ``python bench/disk_ring_cost.py [--blocks 20] [--block 20] [--models mlp,transformer]``.
 """
@@ -72,6 +73,7 @@ def measure(name: str, build: Callable[[], Any], blocks: int, block: int) -> dic
         steps += block
     writer.flush()
     on_disk = _dir_bytes(ring)
+    ring_files = sum(1 for p in ring.iterdir() if p.suffix == ".ring")
     files = writer.written - written0
     dropped = writer.dropped
     for w in watches.values():
@@ -86,7 +88,8 @@ def measure(name: str, build: Callable[[], Any], blocks: int, block: int) -> dic
     return {"model": name, "params": sum(p.numel() for p in bare.parameters()),
             "bare_ms": statistics.median(bare_ms), "ram_wall": q(wall["ram"]), "disk_wall": q(wall["disk"]),
             "ram_cpu": statistics.median(cpu["ram"]), "disk_cpu": statistics.median(cpu["disk"]),
-            "files_per_step": files / steps, "ring_mb": on_disk / 2**20, "dropped": dropped,
+            "items_per_step": files / steps, "ring_mb": on_disk / 2**20, "ring_files": ring_files,
+            "dropped": dropped,
             "K": watches["disk"].snapshot_every}
 
 
@@ -100,12 +103,13 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, blocks={args.blocks} x {args.block} steps; "
           "ratios are step time / bare step time (median, p10-p90 over blocks)")
     print(f"{'model':<12}{'params':>10}{'bare ms':>9}{'RAM ring':>10}{'disk ring':>11}{'p10':>7}{'p90':>7}"
-          f"{'cpu RAM':>9}{'cpu disk':>10}{'files/step':>11}{'ring MiB':>10}{'dropped':>8}{'K':>5}")
+          f"{'cpu RAM':>9}{'cpu disk':>10}{'items/step':>11}{'ring MiB':>10}{'files':>6}{'dropped':>8}{'K':>5}")
     for name in args.models.split(","):
         r = measure(name, builders[name], args.blocks, args.block)
         print(f"{r['model']:<12}{r['params']:>10}{r['bare_ms']:>9.2f}{r['ram_wall'][0]:>10.3f}"
               f"{r['disk_wall'][0]:>11.3f}{r['disk_wall'][1]:>7.3f}{r['disk_wall'][2]:>7.3f}"
-              f"{r['ram_cpu']:>9.3f}{r['disk_cpu']:>10.3f}{r['files_per_step']:>11.2f}{r['ring_mb']:>10.1f}"
+              f"{r['ram_cpu']:>9.3f}{r['disk_cpu']:>10.3f}{r['items_per_step']:>11.2f}{r['ring_mb']:>10.1f}"
+              f"{r['ring_files']:>6}"
               f"{r['dropped']:>8}{r['K']:>5}")
 
 

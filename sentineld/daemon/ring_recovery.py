@@ -1,13 +1,14 @@
 """Ring recovery (the daemon's side of the on-disk ring): a ring directory whose ``lock`` is free
 belongs to a dead process; :func:`recover_ring` (run by the daemon on the training host, or
 ``sentineld recover``) turns it into ``capture-rank<R>-step<N>-crash.h5`` (snapshot S, steps S..N,
-records from the step files and the stream), written by the capture writer of
+records from the step records and the stream), written by the capture writer of
 :mod:`sentineld.contracts.capture`, and deletes it. Recovery needs h5py and numpy, not torch.
 Format: :mod:`sentineld.contracts.ringformat`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -15,23 +16,22 @@ import os
 import shutil
 import stat
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator, NamedTuple
 
 from sentineld.contracts.capture import EncodedStep, write_capture
 from sentineld.contracts.ringformat import (
     LOCK_FILE,
+    SEGMENT_FILE,
     SNAP_FILE,
-    STEP_FILE,
     RingMeta,
     close_mapping,
-    read_ring_file,
     read_ring_meta,
     ring_rng,
     ring_state,
     ring_tree,
     snap_file,
-    step_file,
 )
+from sentineld.contracts.ringrecord import RingRecord, read_body, read_ring_file, scan_segment
 from sentineld.contracts.rundir import RunDir, stream_path
 from sentineld.contracts.safeio import SafeDir, UnsafeDirError
 from sentineld.contracts.stream import read_stream
@@ -119,11 +119,59 @@ def recover_ring(ring_dir: Path, who: str = "sentineld") -> Path | None:
             os.close(fd)
 
 
+class _StepRef(NamedTuple):
+    """Where a step's record lies: the segment (open) and the record found in it."""
+
+    f: BinaryIO
+    name: str
+    rec: RingRecord
+
+
+def _index_segments(ring: SafeDir, names: list[str], stack: contextlib.ExitStack) -> dict[int, _StepRef]:
+    """Every whole step record of the segments ``names`` (kept open on ``stack`` until the
+    capture is written), by step; a step found twice is the later one. A segment cut short
+    (the kill) or damaged (not written by sentineld) gives the records before that point."""
+    steps: dict[int, _StepRef] = {}
+    for name in names:
+        try:
+            f = stack.enter_context(ring.open_regular(name))
+        except OSError as exc:
+            log.warning("on-disk ring %s: %s not read: %s", ring.path, name, exc)
+            continue
+        scan = scan_segment(f, name)
+        if scan.damaged:
+            log.warning("on-disk ring %s: %s; the rest of that file is not read", ring.path, scan.damaged)
+        elif scan.cut:
+            log.info("on-disk ring %s: %s", ring.path, scan.cut)
+        for rec in scan.records:
+            if rec.header["kind"] == "step":
+                steps[rec.header["step"]] = _StepRef(f, name, rec)
+    return steps
+
+
+def _snapshot_ok(ring: SafeDir, step: int) -> int | None:
+    """Snapshot ``step``'s file size when it holds one whole snapshot record of that step, else None (logged)."""
+    name = snap_file(step)
+    try:
+        with ring.open_regular(name) as f:
+            scan = scan_segment(f, name)
+            size = os.fstat(f.fileno()).st_size
+    except OSError as exc:
+        why = str(exc)
+    else:
+        head = scan.records[0].header if scan.records else {}
+        if head.get("kind") == "snap" and head.get("step") == step:
+            return size
+        why = scan.damaged or scan.cut or "not a snapshot of that step"
+    log.warning("on-disk ring %s: snapshot %s not usable: %s", ring.path, name, why)
+    return None
+
+
 def _recover_locked(run: SafeDir, ring: SafeDir, ring_dir: Path, who: str) -> Path | None:
     m = RunDir.RING.match(ring_dir.name)
     meta = read_ring_meta(ring)
     rank = meta.rank if meta.rank is not None else int(m.group(1)) if m else 0
-    snaps, steps, sizes = set(), set(), {}
+    snaps, segments = set(), []
     for name in ring.names():
         try:
             st = ring.lstat(name)
@@ -135,28 +183,29 @@ def _recover_locked(run: SafeDir, ring: SafeDir, ring_dir: Path, who: str) -> Pa
             ring.unlink(name)  # cut short by the kill
         elif (sm := SNAP_FILE.match(name)):
             snaps.add(int(sm.group(1)))
-            sizes[name] = st.st_size
-        elif (sn := STEP_FILE.match(name)):
-            steps.add(int(sn.group(1)))
-            sizes[name] = st.st_size
-    chosen = None
-    for s in sorted(snaps, reverse=True):
-        if s in steps:
-            last = s
-            while last + 1 in steps:
-                last += 1
-            chosen = (s, last)
-            break
-    if chosen is None:
-        log.warning("on-disk ring %s holds no snapshot followed by its steps; nothing to recover", ring_dir)
-        _remove_ring(run, ring_dir.name)
-        return None
-    first, last = chosen
-    path = RunDir(ring_dir.parent).capture(rank, last, CRASH)
-    try:
-        run.lstat(path.name)
-    except FileNotFoundError:
-        _assemble(run, ring, path, meta, rank, first, last, who, sizes)
+        elif SEGMENT_FILE.match(name):
+            segments.append(name)
+    with contextlib.ExitStack() as stack:
+        steps = _index_segments(ring, segments, stack)
+        chosen = None
+        for s in sorted(snaps, reverse=True):
+            if s in steps and (snap_size := _snapshot_ok(ring, s)) is not None:
+                last = s
+                while last + 1 in steps:
+                    last += 1
+                chosen = (s, last, snap_size)
+                break
+        if chosen is None:
+            log.warning("on-disk ring %s holds no snapshot followed by its steps; nothing to recover", ring_dir)
+            _remove_ring(run, ring_dir.name)
+            return None
+        first, last, snap_size = chosen
+        path = RunDir(ring_dir.parent).capture(rank, last, CRASH)
+        try:
+            run.lstat(path.name)
+        except FileNotFoundError:
+            _assemble(run, ring, path, meta, rank, [steps[n] for n in range(first, last + 1)], first, who,
+                      snap_size)
     _remove_ring(run, ring_dir.name)
     return path
 
@@ -166,41 +215,33 @@ def _remove_ring(run: SafeDir, name: str) -> None:
     shutil.rmtree(name, ignore_errors=True, dir_fd=run.fd)
 
 
-def _assemble(run: SafeDir, ring: SafeDir, path: Path, meta: RingMeta, rank: int, first: int,
-              last: int, who: str, sizes: dict[str, int]) -> None:
-    """Write snapshot ``first`` and steps ``first..last`` of the ring as a capture, through the one
-    capture writer (:func:`sentineld.contracts.capture.write_capture`) into the open run dir; one
-    step file is mapped at a time."""
+def _assemble(run: SafeDir, ring: SafeDir, path: Path, meta: RingMeta, rank: int, refs: list[_StepRef],
+              first: int, who: str, snap_size: int) -> None:
+    """Write snapshot ``first`` and the steps of ``refs`` (``first``, ``first + 1``...) as a capture,
+    through the one capture writer (:func:`sentineld.contracts.capture.write_capture`) into the
+    open run dir; one step's body is in memory at a time (read, not mapped: a file cut shorter
+    meanwhile raises ``ValueError`` instead of faulting), the snapshot is mapped."""
+    last = first + len(refs) - 1
     stream_recs = _records_from_stream(run, rank, first, last)
-    names = [snap_file(first)] + [step_file(n) for n in range(first, last + 1)]
-    sources = [ring.path / n for n in names]
-    estimate = sum(sizes.get(n, 0) for n in names)
     records = []
-    for n, src in zip(range(first, last + 1), sources[1:]):
-        header, body, mm = read_ring_file(src, ring)
-        del body
-        close_mapping(mm)
-        rec = header.get("record")
+    for n, ref in enumerate(refs, first):
+        rec = ref.rec.header.get("record")
         rec = rec if isinstance(rec, dict) else stream_recs.get(n)
         if rec is not None:
             records.append(rec)
 
     def steps() -> Iterator[EncodedStep]:
-        for n, src in zip(range(first, last + 1), sources[1:]):
-            header, body, mm = read_ring_file(src, ring)
-            try:
-                rng = header.get("rng")
-                yield EncodedStep(n, ring_tree(header["batch"], body), ring_rng(rng, body) if rng else None)
-            finally:
-                del body
-                close_mapping(mm)
+        for n, ref in enumerate(refs, first):
+            header, body = ref.rec.header, read_body(ref.f.fileno(), ref.rec, ref.name)
+            rng = header.get("rng")
+            yield EncodedStep(n, ring_tree(header["batch"], body), ring_rng(rng, body) if rng else None)
 
-    header, body, mm = read_ring_file(sources[0], ring)
+    header, body, mm = read_ring_file(ring.path / snap_file(first), ring)
     try:
         write_capture(
             path, run_id=meta.run_id if meta.run_id is not None else path.parent.name, rank=rank, trigger=CRASH,
             first_step=last, snapshot_step=first, snapshot=ring_tree(header["snapshot"], body),
-            steps=steps(), records=records, estimate_bytes=estimate,
+            steps=steps(), records=records, estimate_bytes=snap_size + sum(r.rec.body_len for r in refs),
             torch_version=meta.torch_version or "", at=run,
             message=(f"process {'?' if meta.pid is None else meta.pid} died without closing the agent (SIGKILL, "
                      f"the OOM killer?); assembled from its on-disk ring by {who}"))

@@ -55,7 +55,8 @@ RULES = {
 TORCH_FREE = ["sentineld.contracts.rundir", "sentineld.contracts.records", "sentineld.contracts.stream",
               "sentineld.contracts.capture", "sentineld.contracts.errors", "sentineld.contracts.nonfinite",
               "sentineld.contracts.metric_names", "sentineld.contracts.snapshot",
-              "sentineld.contracts.triggers", "sentineld.contracts.ringformat", "sentineld.contracts.verdict",
+              "sentineld.contracts.triggers", "sentineld.contracts.ringformat", "sentineld.contracts.ringrecord",
+              "sentineld.contracts.verdict",
               "sentineld.contracts.h5write", "sentineld.contracts.verdict_file"]
 
 

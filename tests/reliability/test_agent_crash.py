@@ -123,8 +123,9 @@ def test_disk_ring_sigkill_leaves_a_replayable_crash_capture(zygote, tmp_path):
     wait_until(marker.exists, 60, "step 47")
     time.sleep(0.3)
     ring = next((runs / "ring").glob("ring-rank0-*"))
-    # Bounded on disk: at most 2 snapshots and `window` steps.
-    assert len(list(ring.glob("snap-*.ring"))) <= 2 and len(list(ring.glob("step-*.ring"))) <= 32
+    # Bounded on disk: at most 2 snapshots and `window` steps, plus those sharing a segment (K = 8
+    # records each for window 32): 5 segments.
+    assert len(list(ring.glob("snap-*.ring"))) <= 2 and 1 <= len(list(ring.glob("steps-*.ring"))) <= 5
     os.kill(pid, signal.SIGKILL)
     assert zygote.reap(pid) == -signal.SIGKILL
     assert _captures(runs / "ring") == []  # the process wrote nothing on its way out
@@ -146,3 +147,40 @@ def test_disk_ring_sigkill_leaves_a_replayable_crash_capture(zygote, tmp_path):
     report = json.loads(rep.stdout)
     assert report["reproduced"] is True and report["phase"] == "none"
     assert report["step"] == info["first_step"]
+
+
+def test_disk_ring_sigkill_mid_training_recovers_the_batches_that_were_trained(zygote, tmp_path):
+    """Issue 23: the steps are appended to segment files, and a SIGKILL lands wherever it lands
+    (here without a sleep between steps, so most likely while a record is being appended): the
+    crash capture holds every step from its snapshot on, each batch equal to the one trained and
+    each record equal to the stream's."""
+    runs = tmp_path / "runs"
+    marker = tmp_path / "at-step"
+    pid = zygote.train(run_id="segkill", runs_dir=str(runs), steps=100_000, marker=str(marker), marker_step=70,
+                       hidden=64, agent={"snapshot_every": 10, "window": 32, "disk_ring": True, "flush_s": 0.05})
+    wait_until(marker.exists, 60, "step 70")
+    os.kill(pid, signal.SIGKILL)
+    assert zygote.reap(pid) == -signal.SIGKILL
+    from sentineld.contracts.capture import open_capture
+    from sentineld.daemon.ring_recovery import recover_run
+
+    [cap_path] = recover_run(runs / "segkill")
+    stream = {o["step"]: o for o in check_stream(runs / "segkill" / "stream-rank0.jsonl")}
+    with open_capture(cap_path) as cap:
+        steps = cap.steps
+        assert steps[0] == cap.snapshot_step and steps[0] % 10 == 0 and steps[-1] >= 70
+        assert steps[-1] - steps[0] < 32 + 10
+        import torch
+
+        g = torch.Generator().manual_seed(1)  # the zygote's data: randn(32, 64), randint(10, (32,)) a step
+        trained = {n: (torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g))
+                   for n in range(steps[-1] + 1)}
+        for n in steps:
+            x, y = cap.step(n).batch
+            assert torch.equal(x, trained[n][0]) and torch.equal(y, trained[n][1]), n
+        records = cap.records()
+        assert [r["step"] for r in records] == steps[:len(records)] and len(records) >= len(steps) - 1
+        for r in records:
+            if r["step"] in stream:
+                assert r["loss"] == stream[r["step"]]["loss"], r["step"]
+    assert not list((runs / "segkill").glob("ring-*"))

@@ -52,7 +52,9 @@ def test_sigkill_at_random_points(zygote, make_daemon, tmp_path):
                            sleep_s=0.004, hidden=512, agent=agent, log=str(tmp_path / f"{run_id}.log"))
         if mode == "capture":  # the moment the capture's temp file exists
             hit = _wait_for(lambda: any(run_dir.glob("capture-*.h5.tmp")), pid, 30)
-        elif mode == "ring":  # while the on-disk ring writes a snapshot or a step
+        elif mode == "ring":  # while the on-disk ring writes a snapshot (its temp file; a step is
+            # appended to the open segment, nothing to wait for: tests/contracts/test_ringrecord.py
+            # cuts a record short at every byte)
             _wait_for(lambda: (run_dir / "stream-rank0.jsonl").exists(), pid, 30)
             time.sleep(rng.uniform(0.0, 0.4))
             hit = _wait_for(lambda: any(run_dir.glob("ring-*/*.tmp")), pid, 5)

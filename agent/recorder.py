@@ -276,7 +276,8 @@ class StepRecorder:
         if replicas is not None and replicas.divergences:
             self.replica_captures()
         if self.n % 16 == 1:  # cadence drifts slowly; re-derive it now and then, not per step
-            self.schedule.tune(self.ring.entries[-1].nbytes if self.ring.entries else 0)
+            self.schedule.tune(self.ring.entries[-1].nbytes if self.ring.entries else 0,
+                               self.disk.snapshot_cost_s if self.disk is not None else 0.0)
         self.schedule.step_done(self.incidents.latched)
         if not forward_seen:
             # A loop that never calls model(...) itself (Lightning's training_step, a method of

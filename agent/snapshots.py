@@ -59,17 +59,23 @@ class SnapshotSchedule:
         if not latched and self._since >= self.every:
             self.due = True
 
-    def tune(self, last_step_nbytes: int) -> None:
+    def tune(self, last_step_nbytes: int, disk_cost_s: float = 0.0) -> None:
         """Re-derive the cadence (cheap; the agent calls it every 16 steps).
 
         Args:
             last_step_nbytes: host bytes of the newest ring entry (0 when none).
+            disk_cost_s: CPU seconds the on-disk ring's writer spent on the newest snapshot
+                file (0.0 without a disk ring): in auto mode a snapshot costs its copy plus its
+                write, and the two together are kept within ``snapshot_budget`` of step time
+                (issue 23: counting the copy alone, the disk ring's snapshot files cost a 5-ms
+                MLP step 35-435 us, 4x its step records). On a machine with a free core the
+                write runs beside the training, so this is the conservative side.
         """
         cfg, k = self.config, self.every
         if self._auto and len(self._step_times) >= 5:
             step_s = sorted(self._step_times)[len(self._step_times) // 2]
             if step_s > 0:
-                k = math.ceil(self._cost_s / (cfg.snapshot_budget * step_s))
+                k = math.ceil((self._cost_s + disk_cost_s) / (cfg.snapshot_budget * step_s))
                 k = max(cfg.min_snapshot_every, min(k, cfg.window // 2))
         if last_step_nbytes > 0:
             fits = cfg.ring_bytes // last_step_nbytes

@@ -309,7 +309,7 @@ def extras() -> None:
     ``sentineld replay`` of the 10M-parameter case, interpreter start included (target <= 5 s)."""
     here = os.path.dirname(os.path.abspath(__file__))
     for what, cmd in (("capture write (target <= 1.20x torch.save + fsync)",
-                       [os.path.join(here, "capture_write.py"), "--mib", "96,384", "--repeat", "3"]),
+                       [os.path.join(here, "capture_write.py"), "--mib", "96,384", "--repeat", "9"]),
                       ("replay of the 10M-parameter case (target <= 5 s from `sentineld replay` to the "
                        "verdict, interpreter start included)",
                        [os.path.join(here, "replay_time.py"), "--repeat", "3", "--cli", "big_zero_std"])):

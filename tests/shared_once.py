@@ -1,7 +1,7 @@
 """Expensive session fixtures built once per test run, also under pytest-xdist (``make test`` runs
 ``-n 2``): each xdist worker is its own process with its own session, so a session fixture used by
 files that landed on two workers was built twice (the healthy corpus: ~40 s of real training on
-the 2-core machine; the zoo: ~20 s). The first worker to ask builds it under a file lock in the
+the 2-core machine). The first worker to ask builds it under a file lock in the
 run's shared temp root and writes its JSON result; the others wait on the lock and read it. The
 pattern is pytest-xdist's documented one ("Making session-scoped fixtures execute only once")."""
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,8 +34,9 @@ def shared_once(tmp_path_factory: pytest.TempPathFactory, name: str,
     with FileLock(str(root / f"{name}.lock")):
         if done.is_file():
             return json.loads(done.read_text())
-        folder = root / name
-        folder.mkdir(exist_ok=True)
+        # a fresh folder per attempt: a worker whose build failed halfway leaves its runs behind,
+        # and the next worker must not append to them
+        folder = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
         value = build(folder)
         tmp = done.with_suffix(".tmp")
         tmp.write_text(json.dumps(value))

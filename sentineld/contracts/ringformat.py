@@ -189,7 +189,9 @@ class Packer:
 
 def close_mapping(mm: Any) -> None:
     """Close a mapping from :func:`~sentineld.contracts.ringrecord.read_ring_file` (left to the GC while a
-    view is alive)."""
+    view is alive; None, an empty body's, is nothing to close)."""
+    if mm is None:
+        return
     try:
         mm.close()
     except BufferError:  # a view is still alive somewhere: the mapping goes with it

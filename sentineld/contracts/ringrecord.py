@@ -23,7 +23,8 @@ from sentineld.contracts.ringformat import Packer
 from sentineld.contracts.safeio import SafeDir, json_depth_ok, open_regular
 
 __all__ = ["MAGIC", "REC_MARK", "REC_END", "MAX_RECORD_HEADER", "RingRecord", "SegmentScan", "encode_record",
-           "write_all", "write_ring_file", "read_record", "scan_segment", "read_body", "read_ring_file"]
+           "write_all", "write_ring_file", "read_record", "scan_segment", "private_copy", "read_body",
+           "read_ring_file"]
 
 #: First bytes of every ``.ring`` file (snapshot or segment).
 MAGIC = b"SNTLRING2\n"
@@ -110,6 +111,8 @@ class RingRecord:
     body_at: int
     body_len: int
     end: int
+    #: the offset of the record's first byte (its marker)
+    start: int = 0
 
 
 def _pread(fd: int, n: int, at: int) -> bytes:
@@ -220,7 +223,7 @@ def read_record(fd: int, at: int, size: int, name: str) -> RingRecord | None:
         _check_header(header, blen)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
-    return RingRecord(header, body_at, blen, end)
+    return RingRecord(header, body_at, blen, end, at)
 
 
 @dataclass
@@ -269,30 +272,71 @@ def scan_segment(f: BinaryIO, name: str) -> SegmentScan:
     return SegmentScan(out)
 
 
-def read_body(fd: int, rec: RingRecord, name: str) -> memoryview:
-    """The body of ``rec`` read from ``fd`` (not mapped: a file cut shorter meanwhile raises here
-    instead of faulting a mapping).
+def private_copy(fd: int, at: int, length: int, name: str) -> tuple[memoryview, Any]:
+    """``(view, mapping)`` of bytes ``at .. at + length`` of the untrusted file open at ``fd``,
+    copied by the kernel (``sendfile``) into an unlinked temp file only this process can reach,
+    and mapped from there (close ``mapping`` with ``ringformat.close_mapping`` when done).
+
+    Why a copy: mapping the ring's own file let its owner cut it short while the capture was
+    being written, and a read past the new end of a mapping is SIGBUS, which kills the daemon
+    (no exception to catch); reading a body into the heap let a sparse file's length (a
+    terabyte that costs its owner no disk) make the daemon allocate it. The copy costs disk on
+    the temp dir's file system, checked first, and page cache the kernel can reclaim.
+
+    Raises:
+        ValueError: the file no longer holds the whole range (it changed while being read).
+        OSError: no room for the copy in the temp dir (``errno.ENOSPC``, with the sizes).
+    """
+    import shutil  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    tmpdir = tempfile.gettempdir()
+    free = shutil.disk_usage(tmpdir).free
+    if length + (1 << 20) > free:
+        raise OSError(errno.ENOSPC, f"no space left on device in {tmpdir} to copy {name}'s {length} bytes out of "
+                                    f"the ring ({free} bytes free)")
+    out = tempfile.TemporaryFile(dir=tmpdir)  # O_TMPFILE where it can: never has a name
+    try:
+        got = 0
+        while got < length:
+            n = os.sendfile(out.fileno(), fd, at + got, min(length - got, _IO_MAX))
+            if n == 0:
+                break
+            got += n
+        if got != length:
+            raise ValueError(f"{name}: changed while being read ({length} bytes at byte {at}, {got} there)")
+        if length == 0:
+            return memoryview(b""), None
+        mm = mmap.mmap(out.fileno(), length, access=mmap.ACCESS_READ)
+    finally:
+        out.close()  # the mapping keeps the unlinked file alive
+    return memoryview(mm), mm
+
+
+def read_body(fd: int, rec: RingRecord, name: str) -> tuple[memoryview, Any]:
+    """``(body, mapping)`` of ``rec`` from the ring file open at ``fd``: a private copy
+    (:func:`private_copy`), never the ring's own file mapped nor its length taken into the heap.
 
     Raises:
         ValueError: the file no longer holds the whole body.
+        OSError: no room for the copy.
     """
-    data = _pread(fd, rec.body_len, rec.body_at)
-    if len(data) != rec.body_len:
-        raise ValueError(f"{name}: changed while being read (a body of {rec.body_len} bytes at byte "
-                         f"{rec.body_at}, {len(data)} there)")
-    return memoryview(data)
+    return private_copy(fd, rec.body_at, rec.body_len, name)
 
 
 def read_ring_file(path: Path, at: SafeDir | None = None) -> tuple[dict[str, Any], memoryview, Any]:
     """``(header, body, mapping)`` of a one-record ``.ring`` file (a snapshot; close ``mapping``
-    when done). The body is mapped, not read: a snapshot can be as big as the model's state.
+    when done). The body is a mapped private copy (:func:`private_copy`): a snapshot can be as big
+    as the model's state, and its owner could cut the ring's own file short under a mapping.
 
     Args:
         at: the ring directory, opened and checked (recovery); None opens ``path``'s folder.
             Either way only a regular file is opened, never a link or FIFO.
 
     Raises:
-        ValueError: not a whole record as :func:`encode_record` writes it (the message says why).
+        ValueError: not a whole record as :func:`encode_record` writes it (the message says why),
+            or the file changed while being read.
+        OSError: no room for the copy.
     """
     f = open_regular(path) if at is None else at.open_regular(path.name)
     with f:
@@ -300,5 +344,5 @@ def read_ring_file(path: Path, at: SafeDir | None = None) -> tuple[dict[str, Any
         if not scan.records:
             raise ValueError(scan.damaged or scan.cut or f"{path.name}: holds no record")
         rec = scan.records[0]
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    return rec.header, memoryview(mm)[rec.body_at:rec.body_at + rec.body_len], mm
+        body, mm = private_copy(f.fileno(), rec.body_at, rec.body_len, path.name)
+    return rec.header, body, mm

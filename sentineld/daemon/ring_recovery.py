@@ -8,7 +8,6 @@ Format: :mod:`sentineld.contracts.ringformat`.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import logging
@@ -16,7 +15,7 @@ import os
 import shutil
 import stat
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 from sentineld.contracts.capture import EncodedStep, write_capture
 from sentineld.contracts.ringformat import (
@@ -31,7 +30,7 @@ from sentineld.contracts.ringformat import (
     ring_tree,
     snap_file,
 )
-from sentineld.contracts.ringrecord import RingRecord, read_body, read_ring_file, scan_segment
+from sentineld.contracts.ringrecord import RingRecord, read_body, read_record, read_ring_file, scan_segment
 from sentineld.contracts.rundir import RunDir, stream_path
 from sentineld.contracts.safeio import SafeDir, UnsafeDirError
 from sentineld.contracts.stream import read_stream
@@ -120,33 +119,71 @@ def recover_ring(ring_dir: Path, who: str = "sentineld") -> Path | None:
 
 
 class _StepRef(NamedTuple):
-    """Where a step's record lies: the segment (open) and the record found in it."""
+    """Where a step's record lies: the segment's name and the record found in it (the file is
+    closed again after the scan, and reopened and checked again when the step is read)."""
 
-    f: BinaryIO
     name: str
     rec: RingRecord
 
 
-def _index_segments(ring: SafeDir, names: list[str], stack: contextlib.ExitStack) -> dict[int, _StepRef]:
-    """Every whole step record of the segments ``names`` (kept open on ``stack`` until the
-    capture is written), by step; a step found twice is the later one. A segment cut short
-    (the kill) or damaged (not written by sentineld) gives the records before that point."""
+#: Most segment files one ring's recovery scans: the agent keeps about window / K + 2 (K =
+#: ``segment_steps(window)``: 10 at the default window 256); more is not a ring the agent wrote,
+#: and a listing of thousands of planted files must not cost the daemon a descriptor or a scan each.
+MAX_SEGMENTS = 512
+#: Most header bytes of step records kept while a ring is recovered (the agent writes a few KiB a
+#: step, ~1 MiB for a whole window): parsed JSON takes several times its text, so headers of
+#: planted records up to MAX_RECORD_HEADER each must not add up in the daemon's memory.
+MAX_STEP_HEADERS = 64 << 20
+
+
+def _index_segments(ring: SafeDir, names: list[str]) -> dict[int, _StepRef]:
+    """Every whole step record of the segments ``names``, by step; a step found twice is the one
+    in the segment of the higher first step. A segment cut short (the kill) or damaged (not
+    written by sentineld) gives the records before that point. Each file is open only while it is
+    scanned.
+
+    Raises:
+        ValueError: more than :data:`MAX_SEGMENTS` segments, or step headers over
+            :data:`MAX_STEP_HEADERS` in all: not a ring the agent wrote (left for a person).
+    """
+    if len(names) > MAX_SEGMENTS:
+        raise ValueError(f"{len(names)} segment files, more than the {MAX_SEGMENTS} an agent's ring ever holds")
     steps: dict[int, _StepRef] = {}
-    for name in names:
+    kept = 0
+    for name in sorted(names, key=lambda n: int(SEGMENT_FILE.match(n).group(1))):  # type: ignore[union-attr]
         try:
-            f = stack.enter_context(ring.open_regular(name))
+            with ring.open_regular(name) as f:
+                scan = scan_segment(f, name)
         except OSError as exc:
             log.warning("on-disk ring %s: %s not read: %s", ring.path, name, exc)
             continue
-        scan = scan_segment(f, name)
         if scan.damaged:
             log.warning("on-disk ring %s: %s; the rest of that file is not read", ring.path, scan.damaged)
         elif scan.cut:
             log.info("on-disk ring %s: %s", ring.path, scan.cut)
         for rec in scan.records:
             if rec.header["kind"] == "step":
-                steps[rec.header["step"]] = _StepRef(f, name, rec)
+                kept += rec.body_at - rec.start  # the record's prefix and JSON header
+                steps[rec.header["step"]] = _StepRef(name, rec)
+        if kept > MAX_STEP_HEADERS:
+            raise ValueError(f"step records with more than {MAX_STEP_HEADERS} bytes of headers: not an agent's ring")
     return steps
+
+
+def _read_step(ring: SafeDir, ref: _StepRef) -> tuple[memoryview, Any]:
+    """``(body, mapping)`` of a step indexed by :func:`_index_segments`: its segment reopened,
+    the record read again at the same place and required to be the same (a file swapped or
+    rewritten since the scan is an error, not another step's data), the body a private copy.
+
+    Raises:
+        ValueError: the segment changed since it was scanned.
+    """
+    with ring.open_regular(ref.name) as f:
+        fd = f.fileno()
+        again = read_record(fd, ref.rec.start, os.fstat(fd).st_size, ref.name)
+        if again != ref.rec:
+            raise ValueError(f"{ref.name}: changed since recovery read it (step {ref.rec.header.get('step')})")
+        return read_body(fd, ref.rec, ref.name)
 
 
 def _snapshot_ok(ring: SafeDir, step: int) -> int | None:
@@ -185,27 +222,26 @@ def _recover_locked(run: SafeDir, ring: SafeDir, ring_dir: Path, who: str) -> Pa
             snaps.add(int(sm.group(1)))
         elif SEGMENT_FILE.match(name):
             segments.append(name)
-    with contextlib.ExitStack() as stack:
-        steps = _index_segments(ring, segments, stack)
-        chosen = None
-        for s in sorted(snaps, reverse=True):
-            if s in steps and (snap_size := _snapshot_ok(ring, s)) is not None:
-                last = s
-                while last + 1 in steps:
-                    last += 1
-                chosen = (s, last, snap_size)
-                break
-        if chosen is None:
-            log.warning("on-disk ring %s holds no snapshot followed by its steps; nothing to recover", ring_dir)
-            _remove_ring(run, ring_dir.name)
-            return None
-        first, last, snap_size = chosen
-        path = RunDir(ring_dir.parent).capture(rank, last, CRASH)
-        try:
-            run.lstat(path.name)
-        except FileNotFoundError:
-            _assemble(run, ring, path, meta, rank, [steps[n] for n in range(first, last + 1)], first, who,
-                      snap_size)
+    steps = _index_segments(ring, segments)
+    chosen = None
+    for s in sorted(snaps, reverse=True):
+        if s in steps and (snap_size := _snapshot_ok(ring, s)) is not None:
+            last = s
+            while last + 1 in steps:
+                last += 1
+            chosen = (s, last, snap_size)
+            break
+    if chosen is None:
+        log.warning("on-disk ring %s holds no snapshot followed by its steps; nothing to recover", ring_dir)
+        _remove_ring(run, ring_dir.name)
+        return None
+    first, last, snap_size = chosen
+    path = RunDir(ring_dir.parent).capture(rank, last, CRASH)
+    try:
+        run.lstat(path.name)
+    except FileNotFoundError:
+        _assemble(run, ring, path, meta, rank, [steps[n] for n in range(first, last + 1)], first, who,
+                  snap_size)
     _remove_ring(run, ring_dir.name)
     return path
 
@@ -219,8 +255,9 @@ def _assemble(run: SafeDir, ring: SafeDir, path: Path, meta: RingMeta, rank: int
               first: int, who: str, snap_size: int) -> None:
     """Write snapshot ``first`` and the steps of ``refs`` (``first``, ``first + 1``...) as a capture,
     through the one capture writer (:func:`sentineld.contracts.capture.write_capture`) into the
-    open run dir; one step's body is in memory at a time (read, not mapped: a file cut shorter
-    meanwhile raises ``ValueError`` instead of faulting), the snapshot is mapped."""
+    open run dir; every body is a private copy of the ring's bytes
+    (:func:`~sentineld.contracts.ringrecord.private_copy`: a ring file its owner cuts short
+    meanwhile raises ``ValueError``, never faults a mapping of hers), one step's at a time."""
     last = first + len(refs) - 1
     stream_recs = _records_from_stream(run, rank, first, last)
     records = []
@@ -232,9 +269,14 @@ def _assemble(run: SafeDir, ring: SafeDir, path: Path, meta: RingMeta, rank: int
 
     def steps() -> Iterator[EncodedStep]:
         for n, ref in enumerate(refs, first):
-            header, body = ref.rec.header, read_body(ref.f.fileno(), ref.rec, ref.name)
-            rng = header.get("rng")
-            yield EncodedStep(n, ring_tree(header["batch"], body), ring_rng(rng, body) if rng else None)
+            header = ref.rec.header
+            body, mapping = _read_step(ring, ref)
+            try:
+                rng = header.get("rng")
+                yield EncodedStep(n, ring_tree(header["batch"], body), ring_rng(rng, body) if rng else None)
+            finally:
+                del body
+                close_mapping(mapping)
 
     header, body, mm = read_ring_file(ring.path / snap_file(first), ring)
     try:

@@ -52,12 +52,14 @@ def test_sigkill_at_random_points(zygote, make_daemon, tmp_path):
                            sleep_s=0.004, hidden=512, agent=agent, log=str(tmp_path / f"{run_id}.log"))
         if mode == "capture":  # the moment the capture's temp file exists
             hit = _wait_for(lambda: any(run_dir.glob("capture-*.h5.tmp")), pid, 30)
-        elif mode == "ring":  # while the on-disk ring writes a snapshot (its temp file; a step is
-            # appended to the open segment, nothing to wait for: tests/contracts/test_ringrecord.py
-            # cuts a record short at every byte)
-            _wait_for(lambda: (run_dir / "stream-rank0.jsonl").exists(), pid, 30)
-            time.sleep(rng.uniform(0.0, 0.4))
-            hit = _wait_for(lambda: any(run_dir.glob("ring-*/*.tmp")), pid, 5)
+        elif mode == "ring":  # while the on-disk ring is written: its steps are appended to the open
+            # segment (no temp file: tests/contracts/test_ringrecord.py cuts a record short at every
+            # byte), so kill soon after the first segment exists, during a snapshot's write (its temp
+            # file) when one comes within 0.1 s; no snapshot is taken while an incident is open, so
+            # waiting for one let most runs end unkilled (6 of 8 here)
+            _wait_for(lambda: any(run_dir.glob("ring-*/steps-*.ring")), pid, 30)
+            time.sleep(rng.uniform(0.0, 0.1))
+            hit = _wait_for(lambda: any(run_dir.glob("ring-*/*.tmp")), pid, 0.1)
         else:
             _wait_for(lambda: (run_dir / "run.json").exists(), pid, 30)
             time.sleep(rng.uniform(0.0, 0.5))

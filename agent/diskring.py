@@ -4,7 +4,6 @@ the training takes them (format: :mod:`sentineld.contracts.ringformat`; recovery
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import os
@@ -21,27 +20,24 @@ from typing import Any, Callable
 import numpy as np
 
 from sentineld.contracts.h5write import disk_full_error
-from sentineld.contracts.ringformat import LOCK_FILE, META_FILE, Packer, RingMeta, segment_file, snap_file
+from sentineld.contracts.ringformat import (
+    LOCK_FILE,
+    META_FILE,
+    Packer,
+    RingMeta,
+    segment_file,
+    segment_steps,
+    snap_file,
+)
 from sentineld.contracts.ringrecord import MAGIC, encode_record, write_all, write_ring_file
 from sentineld.contracts.rundir import RunDir
-from sentineld.contracts.safeio import SafeDir, write_atomic
+from sentineld.contracts.safeio import SafeDir, require_free, write_atomic
 
-__all__ = ["DiskRingWriter", "segment_steps"]
+__all__ = ["DiskRingWriter"]
 
 log = logging.getLogger("sentineld.diskring")
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC
-
-
-def segment_steps(window: int) -> int:
-    """K, the most step records in one segment file: ``window // 4``, within 4..32.
-
-    A segment costs the kernel's file create, free-space check and unlink once (about 0.5 ms of
-    CPU on ext4, what one file per step cost every step): 32 steps spread it to ~15 us a step.
-    The bound on disk is about ``window + K`` steps, so K stays at most a quarter of the window
-    (default window 256: K = 32, at most 288 steps on disk).
-    """
-    return max(4, min(32, window // 4))
 
 
 @dataclass(eq=False)
@@ -227,11 +223,7 @@ class DiskRingWriter:
         if seg is not None and seg.count < self.segment_steps:
             return seg
         self._close_segment()
-        st = os.fstatvfs(self._at.fd)
-        free, need = st.f_bavail * st.f_frsize, self.segment_steps * size + (1 << 20)
-        if free < need:
-            raise OSError(errno.ENOSPC, f"no space left on device in {self.dir} ({free} bytes free, about "
-                                        f"{need} needed for {self.segment_steps} steps)")
+        require_free(self._at.fd, self.segment_steps * size + (1 << 20), f"{self.segment_steps} steps", self.dir)
         name = segment_file(step)
         fd = os.open(name, _CREATE, 0o600, dir_fd=self._at.fd)
         seg = _Segment(name, fd, 0)

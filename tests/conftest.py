@@ -234,10 +234,6 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Collect the files of :data:`LONGEST_FIRST` first, in its order (stable: the tests of a file
     keep their order, the other files theirs)."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     root = Path(str(config.rootpath))
-
-    def key(item: pytest.Item) -> int:
-        rel = Path(str(item.path)).relative_to(root).as_posix() if Path(str(item.path)).is_relative_to(root) else ""
-        return rank.get(rel, len(rank))
-    items.sort(key=key)
+    rank = {root / name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.path)), len(rank)))

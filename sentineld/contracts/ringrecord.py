@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from sentineld.contracts.ringformat import Packer
-from sentineld.contracts.safeio import SafeDir, json_depth_ok, open_regular
+from sentineld.contracts.safeio import SafeDir, json_depth_ok, open_regular, require_free
 
 __all__ = ["MAGIC", "REC_MARK", "REC_END", "MAX_RECORD_HEADER", "RingRecord", "SegmentScan", "encode_record",
            "write_all", "write_ring_file", "read_record", "scan_segment", "private_copy", "read_body",
@@ -93,11 +93,7 @@ def write_ring_file(at: SafeDir, name: str, header: dict[str, Any], packer: Pack
             so a full disk fails before writing), or as the write.
     """
     bufs, size = encode_record(header, packer)
-    st = os.fstatvfs(at.fd)
-    free, need = st.f_bavail * st.f_frsize, size + len(MAGIC) + (1 << 20)
-    if free < need:
-        raise OSError(errno.ENOSPC, f"no space left on device in {at.path} ({free} bytes free, "
-                                    f"about {need} needed for {name})")
+    require_free(at.fd, size + len(MAGIC) + (1 << 20), name, at.path)
     with at.create(name, durable=False) as f:
         write_all(f.fileno(), [MAGIC, *bufs])
 
@@ -248,9 +244,14 @@ def _check_magic(fd: int, name: str) -> str | None:
     return f"{name}: not an on-disk ring file"
 
 
-def scan_segment(f: BinaryIO, name: str) -> SegmentScan:
+def scan_segment(f: BinaryIO, name: str, max_records: int | None = None) -> SegmentScan:
     """The whole records of a ``.ring`` file open as ``f`` (from ``SafeDir.open_regular``), from
-    the first until the end of the file, a record cut short, or one that is not a record."""
+    the first until the end of the file, a record cut short, or one that is not a record.
+
+    Args:
+        max_records: more records than this is damage (recovery passes ``MAX_SEGMENT_STEPS``: a
+            planted segment of millions of tiny records must not become a list of millions).
+    """
     fd = f.fileno()
     size = os.fstat(fd).st_size
     bad = _check_magic(fd, name)
@@ -267,6 +268,9 @@ def scan_segment(f: BinaryIO, name: str) -> SegmentScan:
         if rec is None:
             return SegmentScan(out, cut=f"{name}: the record at byte {at} runs past the end of the file (cut "
                                         "short: its process died writing it); ignored")
+        if max_records is not None and len(out) == max_records:
+            return SegmentScan(out, damaged=f"{name}: more than {max_records} records at byte {at}, more than "
+                                            "the agent writes in a segment")
         out.append(rec)
         at = rec.end
     return SegmentScan(out)
@@ -287,14 +291,10 @@ def private_copy(fd: int, at: int, length: int, name: str) -> tuple[memoryview, 
         ValueError: the file no longer holds the whole range (it changed while being read).
         OSError: no room for the copy in the temp dir (``errno.ENOSPC``, with the sizes).
     """
-    import shutil  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
 
     tmpdir = tempfile.gettempdir()
-    free = shutil.disk_usage(tmpdir).free
-    if length + (1 << 20) > free:
-        raise OSError(errno.ENOSPC, f"no space left on device in {tmpdir} to copy {name}'s {length} bytes out of "
-                                    f"the ring ({free} bytes free)")
+    require_free(tmpdir, length + (1 << 20), f"a private copy of {length} bytes of {name}")
     out = tempfile.TemporaryFile(dir=tmpdir)  # O_TMPFILE where it can: never has a name
     try:
         got = 0
@@ -340,7 +340,7 @@ def read_ring_file(path: Path, at: SafeDir | None = None) -> tuple[dict[str, Any
     """
     f = open_regular(path) if at is None else at.open_regular(path.name)
     with f:
-        scan = scan_segment(f, path.name)
+        scan = scan_segment(f, path.name, 1)  # one record: a snapshot
         if not scan.records:
             raise ValueError(scan.damaged or scan.cut or f"{path.name}: holds no record")
         rec = scan.records[0]

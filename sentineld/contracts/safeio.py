@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import IO, Any, BinaryIO, Iterator
 
 __all__ = ["SafeDir", "UnsafeDirError", "open_regular", "open_pinned", "read_regular", "read_json", "is_regular",
-           "write_atomic", "MAX_RUN_JSON_BYTES", "MAX_JSON_DEPTH", "json_depth_ok"]
+           "write_atomic", "require_free", "MAX_RUN_JSON_BYTES", "MAX_JSON_DEPTH", "json_depth_ok"]
 
 #: Largest ``run.json`` read. The agent writes a few KiB (recipe args, a model config for the
 #: framework callbacks); 4 MiB leaves room for a large HF config and stops a runaway file.
@@ -249,6 +249,27 @@ class SafeDir:
     def write_json(self, name: str, obj: Any, **kw: Any) -> int:
         """Write ``obj`` as strict JSON (see :meth:`write`)."""
         return self.write(name, json.dumps(obj, allow_nan=False), **kw)
+
+
+def require_free(where: int | str | os.PathLike[str], need: int, what: str, shown: object = None) -> None:
+    """Fail before writing when the file system of ``where`` (an open directory's descriptor, or a
+    path) has fewer than ``need`` bytes free for unprivileged writers: a full disk then fails
+    cleanly, before any byte is written, instead of in the middle of a file.
+
+    Args:
+        what: what is to be written, for the message; ``shown``: the place named in it (default
+            ``where``).
+
+    Raises:
+        OSError: ``errno.ENOSPC``, "no space left on device in <shown> (<free> bytes free, about
+            <need> needed for <what>)" (:func:`sentineld.contracts.h5write.disk_full_error` keeps
+            such a message as it is).
+    """
+    st = os.fstatvfs(where) if isinstance(where, int) else os.statvfs(where)
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise OSError(errno.ENOSPC, f"no space left on device in {where if shown is None else shown} ({free} bytes "
+                                    f"free, about {need} needed for {what})")
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes | str, **kw: Any) -> int:

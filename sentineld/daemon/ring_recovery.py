@@ -20,6 +20,7 @@ from typing import Any, Iterator, NamedTuple
 from sentineld.contracts.capture import EncodedStep, write_capture
 from sentineld.contracts.ringformat import (
     LOCK_FILE,
+    MAX_SEGMENT_STEPS,
     SEGMENT_FILE,
     SNAP_FILE,
     RingMeta,
@@ -153,7 +154,7 @@ def _index_segments(ring: SafeDir, names: list[str]) -> dict[int, _StepRef]:
     for name in sorted(names, key=lambda n: int(SEGMENT_FILE.match(n).group(1))):  # type: ignore[union-attr]
         try:
             with ring.open_regular(name) as f:
-                scan = scan_segment(f, name)
+                scan = scan_segment(f, name, MAX_SEGMENT_STEPS)
         except OSError as exc:
             log.warning("on-disk ring %s: %s not read: %s", ring.path, name, exc)
             continue
@@ -191,7 +192,7 @@ def _snapshot_ok(ring: SafeDir, step: int) -> int | None:
     name = snap_file(step)
     try:
         with ring.open_regular(name) as f:
-            scan = scan_segment(f, name)
+            scan = scan_segment(f, name, 1)  # a snapshot file holds one record
             size = os.fstat(f.fileno()).st_size
     except OSError as exc:
         why = str(exc)

@@ -22,8 +22,8 @@ import torch
 
 from sentineld.agent.diskring import DiskRingWriter
 from sentineld.contracts.capture import open_capture
-from sentineld.contracts.ringformat import close_mapping
-from sentineld.contracts.ringrecord import MAGIC, read_ring_file, scan_segment
+from sentineld.contracts.ringformat import MAX_SEGMENT_STEPS
+from sentineld.contracts.ringrecord import MAGIC, scan_segment
 from sentineld.contracts.rng import capture_rng
 from sentineld.contracts.safeio import SafeDir
 from sentineld.daemon import ring_recovery
@@ -167,4 +167,18 @@ def test_a_ring_still_recovers_to_the_batches_it_holds(tmp_path: Path) -> None:
             torch.testing.assert_close(c.step(n).batch[0], batches[n])
 
 
-    close_mapping(None)  # an empty body's mapping: nothing to close
+def test_a_segment_of_more_records_than_the_agent_writes_is_cut_at_the_limit(tmp_path: Path) -> None:
+    # A planted segment of many tiny records: the scan stops at MAX_SEGMENT_STEPS (the most the
+    # agent's writer puts in one), so it never lists millions; the records up to it are kept.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    ring, _ = _ring(run_dir, steps=MAX_SEGMENT_STEPS)  # window 64: segments of 16
+    (seg,) = [p for p in ring.glob("steps-*.ring") if p.name == "steps-000000000.ring"]
+    other = ring / "steps-000000016.ring"
+    body = other.read_bytes()[len(MAGIC):]
+    seg.write_bytes(seg.read_bytes() + body * 3)  # 16 + 48 records, steps 0..15 then 16..31 x 3
+    with open(seg, "rb") as f:
+        scan = scan_segment(f, seg.name, MAX_SEGMENT_STEPS)
+    assert len(scan.records) == MAX_SEGMENT_STEPS and "more than 32 records" in (scan.damaged or "")
+    with open(seg, "rb") as f:
+        assert len(scan_segment(f, seg.name).records) == 64  # without the limit: every one

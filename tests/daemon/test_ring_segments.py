@@ -17,7 +17,8 @@ from types import SimpleNamespace
 
 import torch
 
-from sentineld.agent.diskring import DiskRingWriter, segment_steps
+from sentineld.agent.diskring import DiskRingWriter
+from sentineld.contracts.ringformat import segment_steps
 from sentineld.contracts.capture import open_capture
 from sentineld.contracts.ringrecord import scan_segment
 from sentineld.contracts.rng import capture_rng
